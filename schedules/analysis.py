@@ -1,0 +1,122 @@
+"""Reduce-pattern analysis shared by every schedule template.
+
+A fused reduce subgraph, once its spatial producers are inlined, is a chain of blocks that all
+iterate over the same leading spatial axes (the "rows"): one or more reductions over the same
+trailing axes, then an epilogue that writes either one value per row or one per element.
+The templates differ only in how they map that chain onto threads, so the matching lives here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import reduce
+
+import tvm
+import tvm_ffi
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.analysis import SBlockInfo, normalize_prim_func
+from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
+
+ROW = "row"  # the innermost reduce axis is the innermost (contiguous) axis of the input
+COLUMN = "column"  # the innermost input axis is a spatial one: reduce across rows
+
+
+@dataclass
+class ReducePattern:
+    """A PrimFunc matched as `reductions over trailing axes + epilogue`, ready to schedule."""
+
+    sch: s_tir.Schedule
+    reductions: list[SBlockInfo]  # in program order
+    epilogue: SBlockInfo | None  # the last, injective block; None if the last block reduces
+    num_spatial: int  # leading spatial axes shared by all blocks
+    num_reduce: int  # trailing reduce axes of every reduction
+    layout: str  # ROW or COLUMN
+    row_count: tirx.PrimExpr  # product of the spatial extents
+    reduce_extent: tirx.PrimExpr  # product of the reduce extents
+
+    @property
+    def blocks(self) -> list[SBlockInfo]:
+        return self.reductions + ([self.epilogue] if self.epilogue else [])
+
+    def input_buffers(self) -> list[tirx.Buffer]:
+        """Function parameters read by the reductions: the tensors worth caching on chip."""
+        params = list(self.sch.mod["main"].params)
+        found = []
+        for info in self.reductions:
+            for region in self.sch.get(info.block_rv).reads:
+                buf = region.source
+                if any(buf.same_as(p) for p in params) and not any(buf.same_as(f) for f in found):
+                    found.append(buf)
+        return found
+
+    @staticmethod
+    def dtype_bytes(buf: tirx.Buffer) -> int:
+        return tvm.DataType(str(buf.ty.dtype)).bits // 8
+
+
+def const_int(expr) -> int | None:
+    """The value of a static extent, None for a symbolic one."""
+    if isinstance(expr, int):
+        return expr
+    return int(expr.value) if isinstance(expr, tvm.ir.IntImm) else None
+
+
+def _product(exprs):
+    return reduce(lambda a, b: a * b, exprs)
+
+
+def _layout_of(sch: s_tir.Schedule, info: SBlockInfo) -> str | None:
+    """ROW when the last index of the reduction's big input is the innermost reduce var."""
+    block = sch.get(info.block_rv)
+    reduce_vars = [iv.var for iv in block.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
+    spatial_vars = [iv.var for iv in block.iter_vars if iv.iter_type == tirx.IterVar.DataPar]
+    for region in block.reads:
+        if len(region.region) == 0:
+            continue
+        last = region.region[-1].min
+        used = set()
+        tvm_ffi.structural_walk(last, (tirx.Var, lambda v: used.add(v)), order="post")
+        if reduce_vars and any(reduce_vars[-1].same_as(v) for v in used):
+            return ROW
+        if any(any(s.same_as(v) for v in used) for s in spatial_vars):
+            return COLUMN
+    return None
+
+
+def match(func: tirx.PrimFunc) -> ReducePattern | None:
+    """Match `func` as a fused reduce subgraph, or return None (then another rule must serve it)."""
+    sch = s_tir.Schedule(func)
+    infos = normalize_prim_func(sch)
+    if not infos:
+        return None
+    infos = try_inline_contiguous_spatial(sch, infos)
+    if not infos or not any(info.is_reduction() for info in infos):
+        return None
+    kind = infos[0].dom_kind()
+    num_spatial = len(kind) - len(kind.lstrip("S"))
+    num_reduce = len(kind) - num_spatial
+    if num_reduce == 0 or kind != "S" * num_spatial + "R" * num_reduce:
+        return None
+    *head, last = infos
+    if last.is_reduction():
+        head, epilogue = infos, None
+    else:
+        epilogue = last
+        if not last.is_injective() or last.dom_kind() not in ("S" * num_spatial, "S" * len(kind)):
+            return None
+    if any(info.dom_kind() != kind for info in head):
+        return None
+    layout = _layout_of(sch, head[0])
+    if layout is None:
+        return None
+    dom = head[0].dom()
+    return ReducePattern(
+        sch=sch,
+        reductions=head,
+        epilogue=epilogue,
+        num_spatial=num_spatial,
+        num_reduce=num_reduce,
+        layout=layout,
+        row_count=_product(dom[:num_spatial]) if num_spatial else tirx.const(1, "int64"),
+        reduce_extent=_product(dom[num_spatial:]),
+    )

@@ -1,0 +1,42 @@
+"""Device facts the templates size themselves by, read from the target (never from a live GPU)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm.target import Target
+
+# Streaming multiprocessors per architecture, for the parts of the heuristics that count waves.
+# Read from the target when it carries it; this table is the fallback for bare `{"kind": "cuda"}`.
+_SM_COUNT = {"sm_70": 80, "sm_75": 40, "sm_80": 108, "sm_86": 84, "sm_89": 128, "sm_90": 132}
+
+
+@dataclass(frozen=True)
+class Device:
+    kind: str  # "cuda" or "cpu"
+    max_threads: int
+    warp: int
+    smem_bytes: int  # static shared memory a block may use
+    sm_count: int
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind == "cuda"
+
+
+def _attr(target: Target, name: str, default: int) -> int:
+    value = target.attrs.get(name, None)
+    return int(value) if value is not None else default
+
+
+def device_of(target: Target) -> Device:
+    if target.kind.name != "cuda":
+        return Device("cpu", 1, 1, 0, _attr(target, "num-cores", 1))
+    arch = str(target.attrs.get("arch", "sm_90")).rstrip("a")
+    return Device(
+        kind="cuda",
+        max_threads=_attr(target, "max_num_threads", 1024),
+        warp=_attr(target, "thread_warp_size", 32),
+        smem_bytes=_attr(target, "max_shared_memory_per_block", 48 * 1024),
+        sm_count=_attr(target, "multi_processor_count", _SM_COUNT.get(arch, 80)),
+    )

@@ -1,0 +1,42 @@
+"""Knobs in, Schedule out: pick a strategy for a fused reduce PrimFunc.
+
+With knobs from a tuning record the named strategy is applied as recorded; without, each
+strategy proposes heuristic knobs for the pattern and the first that applies wins. A strategy
+that does not fit returns None, like TVM's dlight rules, and the caller falls back to TVM.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.target import Target
+
+from . import block_row, column_reduce, cpu_rows
+from .analysis import match
+from .device import device_of
+
+STRATEGIES = {s.NAME: s for s in (block_row, column_reduce, cpu_rows)}
+
+
+def heuristic_knobs(func: tirx.PrimFunc, target: Target) -> dict | None:
+    """The knobs the heuristic would pick for `func`, or None if no strategy fits it."""
+    pattern = match(func)
+    if pattern is None:
+        return None
+    device = device_of(target)
+    for strategy in STRATEGIES.values():
+        knobs = strategy.default_knobs(pattern, device)
+        if knobs is not None:
+            return knobs
+    return None
+
+
+def schedule(func: tirx.PrimFunc, target: Target, knobs: dict | None = None) -> s_tir.Schedule | None:
+    """Schedule `func` with `knobs` (or the heuristic's); None when no strategy of ours fits."""
+    knobs = knobs or heuristic_knobs(func, target)
+    if knobs is None:
+        return None
+    strategy = STRATEGIES.get(knobs.get("strategy"))
+    pattern = match(func)
+    if strategy is None or pattern is None:
+        return None
+    return strategy.apply(pattern, device_of(target), knobs)

@@ -1,0 +1,16 @@
+"""tvm_ext: fused reduce subgraphs (norms, softmax, statistics) at memory bandwidth on TVM.
+
+`import tvm_ext` registers the Relax pipeline "tvm_ext" and the TIR pipeline of the same name.
+"""
+
+from .api import build, export
+from .passes import register_tir_pass, unregister_tir_pass
+from .pipeline import PIPELINE, register, tvm_ext_pipeline
+from .runtime import load
+from .target import parse_target
+
+register()
+
+__all__ = ["PIPELINE", "build", "export", "load", "parse_target", "register_tir_pass", "tvm_ext_pipeline",
+           "unregister_tir_pass"]
+__version__ = "0.1.0"

@@ -1,0 +1,51 @@
+"""The hook where this project's TIR passes run: after scheduling, before code generation.
+
+`tvm_ext.build` compiles with the TIR pipeline registered here under the name "tvm_ext": TVM's
+default s_tir pipeline with the passes registered for each phase spliced in.
+
+- "early": every scheduled PrimFunc, still in SBlock form, before TVM lowers it;
+- "late": every device kernel after host/device splitting, just before codegen.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import tirx
+from tvm.s_tir import pipeline as s_tir_pipeline
+
+TIR_PIPELINE = "tvm_ext"
+PHASES = ("early", "late")
+_passes: dict[str, list] = {phase: [] for phase in PHASES}
+
+
+def register_tir_pass(tir_pass: tvm.transform.Pass, phase: str = "early") -> tvm.transform.Pass:
+    if phase not in PHASES:
+        raise ValueError(f"unknown TIR pass phase {phase!r}: expected one of {PHASES}")
+    _passes[phase].append(tir_pass)
+    return tir_pass
+
+
+def unregister_tir_pass(tir_pass: tvm.transform.Pass) -> None:
+    for passes in _passes.values():
+        if tir_pass in passes:
+            passes.remove(tir_pass)
+
+
+def registered_tir_passes(phase: str) -> list:
+    return list(_passes[phase])
+
+
+def _tir_pipeline():
+    lower, finalize_host, finalize_device = s_tir_pipeline.default_s_tir_pipeline()
+
+    @tvm.transform.module_pass(opt_level=0, name="TVMExtTIRPipeline")
+    def _pipeline(mod, _ctx):
+        return lower(tvm.transform.Sequential(_passes["early"])(mod))
+
+    def _finalize_device():
+        return tvm.transform.Sequential(_passes["late"] + [finalize_device()])
+
+    return _pipeline, finalize_host, _finalize_device
+
+
+tirx.register_tir_pipeline(TIR_PIPELINE, _tir_pipeline)

@@ -1,0 +1,121 @@
+"""The `tvm_ext` Relax pipeline: legalize, fuse, schedule fused reductions with our templates.
+
+Order: library dispatch -> LegalizeOps (with our legalizations) -> AnnotateTIROpPattern ->
+FoldConstant -> FuseOps -> FuseTIR -> our schedules for every fused PrimFunc with a reduction ->
+TVM's dlight rules for the rest (GPU) -> dataflow lowering -> VM finalisation. The TIR passes
+of `tvm_ext.passes` run later, inside `tvm.compile`, under the TIR pipeline of the same name.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import tvm
+import tvm_ffi
+from tvm import relax, s_tir, tirx
+from tvm.s_tir import dlight as dl
+from tvm.target import Target
+
+import schedules
+
+from .legalize import LEGALIZE
+from .records import Database
+
+PIPELINE = "tvm_ext"
+SCHEDULED = "tirx.is_scheduled"
+OPTIONS = ()  # build options this pipeline understands (the later passes add theirs here)
+
+
+def has_reduction(func: tirx.PrimFunc) -> bool:
+    found = []
+
+    def visit(block):
+        if any(iv.iter_type == tirx.IterVar.CommReduce for iv in block.iter_vars):
+            found.append(block)
+            return tvm_ffi.VisitInterrupt(block)
+        return None
+
+    tvm_ffi.structural_walk(func.body, (s_tir.SBlock, visit), order="pre")
+    return bool(found)
+
+
+@tvm.transform.module_pass(opt_level=0, name="TVMExtScheduleReductions")
+class ScheduleReductions:
+    """Schedule each fused PrimFunc that reduces with this project's templates.
+
+    Knobs come from the tuning log when it has a record for the function, else from the
+    heuristic. A function no template fits is left for TVM's rules, with a one-line warning.
+    """
+
+    def __init__(self, database: Database | None = None):
+        self.database = database
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        target = Target.current()
+        updates = {}
+        for gv, func in mod.functions_items():
+            if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False) or not has_reduction(func):
+                continue
+            knobs = self.database.lookup(func, target) if self.database else None
+            try:
+                sch = schedules.schedule(func, target, knobs)
+            except Exception as err:  # a template bug must cost speed, never the build
+                sch, why = None, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            else:
+                why = "no tvm_ext schedule matches it"
+            if sch is None:
+                warnings.warn(f"tvm_ext: {gv.name_hint}: {why}; falling back to TVM's default schedule", stacklevel=2)
+                continue
+            updates[gv] = sch.mod["main"].with_attr(SCHEDULED, True)
+        for gv, func in updates.items():
+            mod[gv] = func
+        return mod
+
+
+def _dlight_defaults():
+    return dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
+                                   dl.gpu.Fallback())
+
+
+def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **options) -> tvm.transform.Pass:
+    """The pass `tvm_ext.build` runs (also `relax.get_pipeline("tvm_ext", database=...)`)."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown tvm_ext build option(s) {unknown}; known: {list(OPTIONS) or 'none yet'}")
+    if database is not None and not isinstance(database, Database):
+        database = Database.load(database)
+
+    @tvm.transform.module_pass(opt_level=0, name="TVMExtPipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        target = Target.current()
+        if target is None:
+            raise ValueError("the tvm_ext pipeline needs a target: run it inside `with target:` or via tvm_ext.build")
+        passes = relax.pipeline.library_dispatch_passes(target) + [
+            relax.transform.LegalizeOps(customize_legalize_map=LEGALIZE),
+            relax.transform.AnnotateTIROpPattern(),
+            relax.transform.FoldConstant(),
+            relax.transform.FuseOps(),
+            relax.transform.FuseTIR(),
+            ScheduleReductions(database),
+        ]
+        if "gpu" in target.keys:
+            passes.append(_dlight_defaults())
+        passes += [  # relax.pipeline.dataflow_lower_passes(llvm) raises in 0.27; this is its list
+            relax.transform.RewriteDataflowReshape(),
+            relax.transform.ToNonDataflow(),
+            relax.transform.RemovePurityChecking(),
+            relax.transform.CallTIRRewrite(),
+        ]
+        passes += relax.pipeline.finalize_passes(target)
+        return tvm.transform.Sequential(passes)(mod)
+
+    return _pipeline
+
+
+def register() -> None:
+    """Make `relax.get_pipeline("tvm_ext")` return this pipeline (idempotent)."""
+    from tvm.relax import pipeline as relax_pipeline  # the registry lives here
+
+    if PIPELINE not in relax_pipeline.PIPELINE_MAP:
+        relax.register_pipeline(PIPELINE)(tvm_ext_pipeline)
