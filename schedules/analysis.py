@@ -58,7 +58,7 @@ def const_int(expr) -> int | None:
     """The value of a static extent, None for a symbolic one."""
     if isinstance(expr, int):
         return expr
-    return int(expr.value) if isinstance(expr, tvm.ir.IntImm) else None
+    return int(expr.value) if isinstance(expr, tirx.IntImm) else None
 
 
 def _product(exprs):

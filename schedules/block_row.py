@@ -16,6 +16,9 @@ from .device import Device
 
 NAME = "block_row"
 UNROLL = 256
+# TVM 0.27's CUDA codegen emits a broadcast of 8 float32 lanes as make_ulonglong4(8 floats), which
+# nvcc rejects; epilogues compute in float32, so they vectorize by at most 4 lanes (float4).
+MAX_EPILOGUE_LANES = 4
 
 
 def vector_lanes(pattern: ReducePattern, elem_bytes: int) -> int:
@@ -90,7 +93,7 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
     row = sch.fuse(*loops[:ns])
     sch.bind(row, "blockIdx.x")
     if len(loops) > ns:  # a reduction, or an epilogue over every element of the row
-        _spread(sch, loops[ns:], threads, vec if pattern.epilogue is not None else 1)
+        _spread(sch, loops[ns:], threads, min(vec, MAX_EPILOGUE_LANES) if pattern.epilogue is not None else 1)
     else:  # one value per row: let thread 0 write it
         _spread(sch, [sch.add_unit_loop(last.block_rv)], threads)
 

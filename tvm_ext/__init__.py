@@ -4,6 +4,7 @@
 """
 
 from .api import build, export
+from .introspect import cuda_kernels, cuda_source
 from .passes import register_tir_pass, unregister_tir_pass
 from .pipeline import PIPELINE, register, tvm_ext_pipeline
 from .runtime import load
@@ -11,6 +12,6 @@ from .target import parse_target
 
 register()
 
-__all__ = ["PIPELINE", "build", "export", "load", "parse_target", "register_tir_pass", "tvm_ext_pipeline",
+__all__ = ["PIPELINE", "build", "cuda_kernels", "cuda_source", "export", "load", "parse_target", "register_tir_pass", "tvm_ext_pipeline",
            "unregister_tir_pass"]
 __version__ = "0.1.0"

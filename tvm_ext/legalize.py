@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from tvm import relax, topi
+from functools import reduce
+
+from tvm import relax, tirx, topi
 
 
 def _softmax_float32_accumulate(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
@@ -18,4 +20,28 @@ def _softmax_float32_accumulate(bb: relax.BlockBuilder, call: relax.Call) -> rel
     return bb.call_te(softmax, call.args[0], primfunc_name_hint="softmax")
 
 
-LEGALIZE = {"relax.nn.softmax": _softmax_float32_accumulate}
+def _layer_norm_float32(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """LayerNorm computed in float32 whatever the input dtype, as PyTorch does.
+
+    TVM's own (C++ TOPI) refuses bfloat16 and applies the weight and bias in float16.
+    """
+    eps = float(call.attrs.epsilon)
+
+    def layer_norm(x, gamma, beta):
+        axes = sorted(int(a) % len(x.shape) for a in call.attrs.axes)
+        count = reduce(lambda a, b: a * b, [x.shape[a] for a in axes])
+        param_shape = [x.shape[i] if i in axes else 1 for i in range(len(x.shape))]
+        xf = topi.cast(x, "float32")
+        mean = topi.divide(topi.sum(xf, axis=axes, keepdims=True), topi.cast(count, "float32"))
+        centred = topi.subtract(xf, mean)
+        var = topi.divide(topi.sum(topi.multiply(centred, centred), axis=axes, keepdims=True),
+                          topi.cast(count, "float32"))
+        y = topi.multiply(centred, topi.rsqrt(topi.add(var, tirx.const(eps, "float32"))))
+        y = topi.multiply(y, topi.reshape(topi.cast(gamma, "float32"), param_shape))
+        y = topi.add(y, topi.reshape(topi.cast(beta, "float32"), param_shape))
+        return topi.cast(y, x.dtype)
+
+    return bb.call_te(layer_norm, *call.args, primfunc_name_hint="layer_norm")
+
+
+LEGALIZE = {"relax.nn.softmax": _softmax_float32_accumulate, "relax.nn.layer_norm": _layer_norm_float32}

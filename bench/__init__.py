@@ -1,0 +1,1 @@
+"""Benchmark harness and the public suite of fused reduce subgraphs."""

@@ -1,0 +1,88 @@
+"""Markdown table and bandwidth plot from one results JSON (bench/results/*.json).
+
+    python -m bench.report bench/results/h100-2026-11-21.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+IMPLS = ["ours", "ours_tuned", "torch_eager", "torch_compile", "tvm_dlight"]
+
+
+def _label(row) -> str:
+    n = row.get("n")
+    return row["case"] + (" " + ",".join(f"{k}={v}" for k, v in n.items()) if n else "")
+
+
+def _grouped(result: dict) -> dict:
+    table: dict = {}
+    for row in result["rows"]:
+        table.setdefault(_label(row), {})[row["impl"]] = row
+    return table
+
+
+def markdown(result: dict) -> str:
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in result["rows"])]
+    head = (f"{result['device']}, {result['date']}, torch {result['torch']}, TVM {result['tvm']}; "
+            f"device copy {result['copy_gbps']:.0f} GB/s. GB/s = effective bandwidth (bytes that must cross HBM "
+            "once / time); speed-up = their time / our time (>1: we are faster); err = max abs error of ours vs "
+            "PyTorch eager.\n\n")
+    cols = ["case", "ours us"] + [f"{i} GB/s" for i in impls] + [
+        "vs torch.compile", "vs dlight", "ours % of copy", "ours err", "kernels ours/dlight"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for label, by_impl in _grouped(result).items():
+        ours = by_impl.get("ours", {})
+        speed = lambda other: (f"{by_impl[other]['us'] / ours['us']:.2f}x"  # noqa: E731
+                               if "us" in by_impl.get(other, {}) and "us" in ours else "-")
+        gbps = [f"{by_impl[i]['gbps']:.0f}" if "gbps" in by_impl.get(i, {}) else "fail" for i in impls]
+        pct = f"{100 * ours['gbps'] / result['copy_gbps']:.0f}%" if "gbps" in ours else "-"
+        err = f"{ours['max_abs_err']:.2g}" if "max_abs_err" in ours else "-"
+        kern = f"{ours.get('kernels', '-')}/{by_impl.get('tvm_dlight', {}).get('kernels', '-')}"
+        us = f"{ours['us']:.1f}" if "us" in ours else "fail"
+        lines.append("| " + " | ".join([label, us] + gbps + [speed("torch_compile"), speed("tvm_dlight"), pct, err,
+                                                              kern]) + " |")
+    return head + "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+    table = _grouped(result)
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in result["rows"])]
+    labels = list(table)
+    width = 0.8 / len(impls)
+    fig, ax = plt.subplots(figsize=(max(10, 0.55 * len(labels) * len(impls) / 2), 6))
+    for k, impl in enumerate(impls):
+        values = [table[l].get(impl, {}).get("gbps", 0) for l in labels]
+        ax.bar([i + k * width for i in range(len(labels))], values, width, label=impl)
+    ax.axhline(result["copy_gbps"], color="black", linestyle="--", label=f"device copy {result['copy_gbps']:.0f}")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))])
+    ax.set_xticklabels(labels, rotation=70, ha="right", fontsize=7)
+    ax.set_ylabel("effective GB/s")
+    ax.set_title(f"Fused reduce subgraphs on {result['device']} ({result['date']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_reports(json_path: str) -> str:
+    with open(json_path, encoding="utf-8") as f:
+        result = json.load(f)
+    stem = json_path[: -len(".json")]
+    table = markdown(result)
+    with open(stem + ".md", "w", encoding="utf-8") as f:
+        f.write(table)
+    try:
+        plot(result, stem + ".png")
+    except ImportError:
+        print("matplotlib not installed: no plot written", file=sys.stderr)
+    return table
+
+
+if __name__ == "__main__":
+    print(write_reports(sys.argv[1]))

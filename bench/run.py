@@ -1,0 +1,160 @@
+"""Time the suite on this GPU: ours, PyTorch eager, torch.compile, TVM dlight defaults, and a copy.
+
+    python -m bench.run --suite bench/suite.json --out bench/results/ [--cases ln-,rms-] [--database LOG]
+
+Every implementation runs in this one process on the same inputs; each time is the median of
+`triton.testing.do_bench` (which flushes L2 between calls). Writes <gpu>-<date>[-tag].json, a
+Markdown table (.md) and a bandwidth plot (.png) made from that JSON (see bench/report.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import tvm  # import TVM before torch (see the field guide)
+import tvm_ext
+from tvm.runtime.vm import VirtualMachine
+
+import torch  # noqa: E402  pylint: disable=wrong-import-order
+import torch.nn.functional as F  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from bench.report import write_reports
+from bench.suite import EPS, concrete_shape, effective_bytes, load_suite, relax_module
+
+TORCH_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def torch_fn(op: str):
+    """The suite's PyTorch definition of `op` (see suite.json)."""
+    if op == "layer_norm":
+        return lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, EPS[op])
+    if op == "rms_norm":
+        return lambda x, w: (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + EPS[op])).to(x.dtype) * w
+    if op == "softmax":
+        return lambda x: torch.softmax(x, -1)
+    if op == "bn_stats":
+        return lambda x: tuple(reversed(torch.var_mean(x, dim=(0, 2, 3), unbiased=False)))  # (mean, var) as ours
+    if op == "row_sum":
+        return lambda x: x.sum(1)
+    if op == "col_sum":
+        return lambda x: x.sum(0)
+    if op == "full_sum":
+        return lambda x: x.sum()
+    raise ValueError(op)
+
+
+def as_tuple(out):
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def tvm_callable(executable):
+    """Call `main` on torch tensors through DLPack; returns torch tensors."""
+    vm = VirtualMachine(executable, tvm.cuda(0))
+    main = vm["main"]
+
+    def call(*args):
+        out = main(*[tvm.runtime.from_dlpack(a) for a in args])
+        return tuple(torch.from_dlpack(o) for o in (out if not hasattr(out, "numpy") else [out]))
+
+    return call
+
+
+def max_err(outs, refs) -> float:
+    return max(float((o.double() - r.double()).abs().max()) for o, r in zip(as_tuple(outs), as_tuple(refs)))
+
+
+def time_us(fn, args) -> float:
+    return do_bench(lambda: fn(*args), warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def copy_gbps() -> float:
+    src = torch.empty(1 << 28, dtype=torch.float32, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    us = time_us(dst.copy_, [src])
+    return 2 * src.numel() * 4 / us / 1e3
+
+
+def run_case(case: dict, database, log) -> list[dict]:
+    op, dtype, shape = case["op"], case["dtype"], case["shape"]
+    mod = relax_module(op, shape, dtype)
+    t0 = time.time()
+    built = {"ours": tvm_ext.build(mod, "cuda")}
+    if database:
+        built["ours_tuned"] = tvm_ext.build(mod, "cuda", database=database)
+    built["tvm_dlight"] = tvm.compile(mod, target=tvm_ext.parse_target("cuda"))
+    impls = {name: tvm_callable(ex) for name, ex in built.items()}
+    impls["torch_eager"] = torch_fn(op)
+    impls["torch_compile"] = torch.compile(torch_fn(op), dynamic=False)
+    log(f"  built in {time.time() - t0:.1f}s")
+
+    dyn = case.get("dynamic") or {}
+    points = [{}]
+    for name, values in dyn.items():
+        points = [dict(p, **{name: v}) for p in points for v in values]
+    rows = []
+    for values in points:
+        conc = concrete_shape(shape, values)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        shapes = {"layer_norm": [conc, conc[-1:], conc[-1:]], "rms_norm": [conc, conc[-1:]]}.get(op, [conc])
+        args = [(torch.randn(s, device="cuda", generator=gen) * 2 + 0.5).to(TORCH_DTYPE[dtype]) for s in shapes]
+        ref = impls["torch_eager"](*args)
+        ref64 = torch_fn(op)(*[a.double() for a in args])
+        nbytes = effective_bytes(op, conc, dtype)
+        for impl, fn in impls.items():
+            try:
+                out = fn(*args)
+                torch.cuda.synchronize()
+                us = time_us(fn, args)
+            except Exception as err:  # one broken implementation must not sink the table
+                rows.append({"case": case["id"], "impl": impl, "n": values or None, "error": str(err)[:300]})
+                log(f"  {impl:14s} FAILED: {str(err).splitlines()[0][:120]}")
+                continue
+            row = {"case": case["id"], "op": op, "impl": impl, "us": us, "gbps": nbytes / us / 1e3,
+                   "max_abs_err": max_err(out, ref), "max_abs_err_fp64": max_err(out, ref64),
+                   "n": values or None}
+            if impl in built:
+                row["kernels"] = len(tvm_ext.cuda_kernels(built[impl]))
+            rows.append(row)
+            log(f"  {impl:14s} {values or ''} {us:9.1f} us {row['gbps']:7.0f} GB/s err {row['max_abs_err']:.3g}")
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--suite", default="bench/suite.json")
+    ap.add_argument("--out", default="bench/results/")
+    ap.add_argument("--cases", default="", help="comma-separated id prefixes to run (default: all)")
+    ap.add_argument("--database", default=None, help="tuning log: adds an ours_tuned row per case")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available() or not tvm.cuda(0).exist:
+        print("bench.run needs a CUDA GPU visible to both PyTorch and TVM", file=sys.stderr)
+        return 2
+    prefixes = [p for p in args.cases.split(",") if p]
+    cases = [c for c in load_suite(args.suite) if not prefixes or any(c["id"].startswith(p) for p in prefixes)]
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    gpu = torch.cuda.get_device_name(0)
+    result = {"device": gpu, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+              "tvm": tvm.__version__, "copy_gbps": copy_gbps(), "rows": []}
+    log(f"{gpu}: device copy {result['copy_gbps']:.0f} GB/s")
+    os.makedirs(args.out, exist_ok=True)
+    slug = gpu.lower().replace("nvidia ", "").split()[0]
+    stem = os.path.join(args.out, f"{slug}-{result['date']}{'-' + args.tag if args.tag else ''}")
+    for case in tqdm(cases, desc="suite", file=sys.stdout):
+        log(case["id"])
+        result["rows"] += run_case(case, args.database, log)
+        with open(stem + ".json", "w", encoding="utf-8") as f:  # after every case: a cut-off run keeps its rows
+            json.dump(result, f, indent=1)
+    print(write_reports(stem + ".json"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Shared by the tests: suite cases at test size, running a built module, tolerances."""
+
+import ml_dtypes
+import numpy as np
+import tvm
+import tvm_ffi
+from tvm.runtime.vm import VirtualMachine
+
+from bench.suite import concrete_shape, load_suite, random_inputs, reference
+
+CASES = load_suite()
+NP_DTYPE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+RTOL = {"float16": 4e-3, "bfloat16": 2e-2, "float32": 2e-5}
+
+
+def small_shape(case: dict) -> list:
+    """The case's shape with row counts cut down, reduce extents (and symbolic dims) kept."""
+    op, shape = case["op"], case["shape"]
+    if op == "bn_stats":
+        return [3, 5, shape[2], shape[3]]
+    if op == "full_sum":
+        return [100003]
+    if op == "col_sum":
+        return [301, shape[1]]
+    return [d if isinstance(d, str) else min(d, 3) for d in shape[:-1]] + shape[-1:]
+
+
+def run_case(executable, device, op, shape, dtype, rng):
+    """Run `main` on fresh random inputs; returns (outputs as float64, float64 references)."""
+    arrays = [a.astype(NP_DTYPE[dtype]) for a in random_inputs(op, shape, rng)]
+    vm = VirtualMachine(executable, device)
+    out = vm["main"](*[tvm.runtime.tensor(a, device) for a in arrays])
+    outs = list(out) if isinstance(out, (tuple, list, tvm_ffi.Array)) else [out]
+    return [o.numpy().astype("float64") for o in outs], reference(op, arrays)
+
+
+def assert_close(outs, refs, dtype):
+    assert len(outs) == len(refs)
+    for out, ref in zip(outs, refs):
+        assert out.shape == ref.shape
+        scale = max(1.0, float(np.abs(ref).max()))
+        err = float(np.abs(out - ref).max()) / scale
+        assert err <= RTOL[dtype], f"max error {err:.3g} (relative to max |ref|) above {RTOL[dtype]}"
+
+
+def instantiate(case: dict, shape: list, row_cap: int = 5) -> list[dict]:
+    """Values for the case's symbolic dims: each listed reduce extent, row counts capped."""
+    combos = [{}]
+    for name, values in (case.get("dynamic") or {}).items():
+        if name != shape[-1]:
+            values = sorted({min(v, row_cap) for v in values})
+        combos = [dict(c, **{name: v}) for c in combos for v in values]
+    return combos
+
+
+__all__ = ["CASES", "assert_close", "concrete_shape", "instantiate", "run_case", "small_shape"]

@@ -1,0 +1,66 @@
+"""Every suite op compiled for CUDA on a machine without a GPU; assertions on the generated source."""
+
+import re
+import shutil
+import warnings
+
+import pytest
+import tvm
+from tvm.support import nvcc
+
+import tvm_ext
+from bench.suite import relax_module
+from conftest import CUDA_TARGET
+from helpers import CASES
+
+# bn_stats is mean and variance: two fused functions until horizontal fusion lands.
+KERNELS = {"bn_stats": 2}
+_built = {}
+
+
+def build_case(case):
+    if case["id"] not in _built:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ex = tvm_ext.build(relax_module(case["op"], case["shape"], case["dtype"]), CUDA_TARGET)
+        fallbacks = [str(w.message) for w in caught if "tvm_ext:" in str(w.message)]
+        _built[case["id"]] = (ex, tvm_ext.cuda_source(ex), fallbacks)
+    return _built[case["id"]]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_one_cross_thread_kernel_per_fused_reduction(case):
+    ex, src, fallbacks = build_case(case)
+    assert fallbacks == [], "our schedules must serve every suite op"
+    assert len(tvm_ext.cuda_kernels(ex)) == KERNELS.get(case["op"], 1)
+    if case["op"] == "col_sum":  # lanes along threadIdx.y meet in a shared-memory tree
+        assert "threadIdx.y" in src and "__syncthreads" in src
+    else:  # the reduce axis is spread over threadIdx.x and combined by warp shuffles
+        assert "__shfl_down_sync" in src
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c["op"] in ("layer_norm", "softmax") and "dynamic" not in c
+                                  and c["shape"][-1] * 2 <= 48 * 1024], ids=lambda c: c["id"])
+def test_row_read_once_into_shared_memory_with_128bit_loads(case):
+    _, src, _ = build_case(case)
+    row = case["shape"][-1]
+    elem = "half" if case["dtype"] == "float16" else "nv_bfloat16"
+    assert re.search(rf"__shared__ alignas\(\d+\) {elem} p0_shared_ptr\[{row}\];", src)
+    assert re.search(r"\*\(uint4\*\)\(p0_shared_ptr \+ .*= \*\(uint4\*\)\(p0_ptr", src), "x must be staged with 16-byte loads"
+    assert src.count("p0_ptr[") == 0, "after staging, x must never be read from global memory again"
+
+
+def test_dynamic_rows_compile_to_one_kernel_with_symbolic_grid():
+    case = next(c for c in CASES if c["id"] == "ln-dyn-nx4096-f16")
+    ex, src, _ = build_case(case)
+    (kernel,) = tvm_ext.cuda_kernels(ex)
+    assert re.search(rf"void __launch_bounds__\(\d+\) {kernel}\([^)]*int64_t n\)", src)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_generated_source_compiles_with_nvcc(case):
+    _, src, _ = build_case(case)
+    with tvm_ext.parse_target(CUDA_TARGET):
+        cubin = nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")
+    assert bytes(cubin[:4]) == b"\x7fELF"

@@ -1,0 +1,29 @@
+"""On a real GPU: every suite op built by tvm_ext for "cuda", run, and compared with float64 NumPy."""
+
+import pytest
+import tvm
+
+import tvm_ext
+from bench.suite import relax_module
+from helpers import CASES, assert_close, concrete_shape, instantiate, run_case
+
+pytestmark = pytest.mark.gpu
+
+
+def gpu_shape(case: dict) -> list:
+    """Row counts cut to at most 37 (odd, to hit partial blocks); reduce extents as in the suite."""
+    op, shape = case["op"], case["shape"]
+    if op == "bn_stats":
+        return [7, shape[1], shape[2], shape[3]]
+    if op in ("full_sum", "col_sum"):
+        return [shape[0] + 5] + shape[1:]  # not a multiple of any block size
+    return [d if isinstance(d, str) else min(d, 37) for d in shape[:-1]] + shape[-1:]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_suite_case_on_gpu(case, rng):
+    shape = gpu_shape(case)
+    executable = tvm_ext.build(relax_module(case["op"], shape, case["dtype"]), "cuda")
+    for values in instantiate(case, shape, row_cap=4099):
+        outs, refs = run_case(executable, tvm.cuda(0), case["op"], concrete_shape(shape, values), case["dtype"], rng)
+        assert_close(outs, refs, case["dtype"])
