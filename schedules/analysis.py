@@ -83,6 +83,32 @@ def _layout_of(sch: s_tir.Schedule, info: SBlockInfo) -> str | None:
     return None
 
 
+def _reduction_blocks(func: tirx.PrimFunc) -> list:
+    blocks = []
+    visit = lambda b: blocks.append(b) if any(iv.iter_type == tirx.IterVar.CommReduce for iv in b.iter_vars) else None
+    tvm_ffi.structural_walk(func.body, (s_tir.SBlock, visit), order="pre")
+    return blocks
+
+
+def _is_contraction(block) -> bool:
+    """Two different buffers both indexed by a reduce var: a matmul/GEMV, not a norm or a sum."""
+    reduce_vars = [iv.var for iv in block.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
+    indexed = set()
+    for region in block.reads:
+        used = []
+        for rng in region.region:
+            tvm_ffi.structural_walk(rng.min, (tirx.Var, used.append), order="post")
+        if any(any(r.same_as(u) for u in used) for r in reduce_vars):
+            indexed.add(region.source.name)
+    return len(indexed) >= 2
+
+
+def is_reduce_subgraph(func: tirx.PrimFunc) -> bool:
+    """Whether `func` is this project's business: it reduces, and none of its reductions contracts."""
+    blocks = _reduction_blocks(func)
+    return bool(blocks) and not any(_is_contraction(b) for b in blocks)
+
+
 def match(func: tirx.PrimFunc) -> ReducePattern | None:
     """Match `func` as a fused reduce subgraph, or return None (then another rule must serve it)."""
     sch = s_tir.Schedule(func)

@@ -12,12 +12,12 @@ import os
 import warnings
 
 import tvm
-import tvm_ffi
-from tvm import relax, s_tir, tirx
+from tvm import relax, tirx
 from tvm.s_tir import dlight as dl
 from tvm.target import Target
 
 import schedules
+from schedules.analysis import is_reduce_subgraph
 
 from .legalize import LEGALIZE
 from .records import Database
@@ -27,22 +27,9 @@ SCHEDULED = "tirx.is_scheduled"
 OPTIONS = ()  # build options this pipeline understands (the later passes add theirs here)
 
 
-def has_reduction(func: tirx.PrimFunc) -> bool:
-    found = []
-
-    def visit(block):
-        if any(iv.iter_type == tirx.IterVar.CommReduce for iv in block.iter_vars):
-            found.append(block)
-            return tvm_ffi.VisitInterrupt(block)
-        return None
-
-    tvm_ffi.structural_walk(func.body, (s_tir.SBlock, visit), order="pre")
-    return bool(found)
-
-
 @tvm.transform.module_pass(opt_level=0, name="TVMExtScheduleReductions")
 class ScheduleReductions:
-    """Schedule each fused PrimFunc that reduces with this project's templates.
+    """Schedule each fused PrimFunc that reduces (matmuls aside) with this project's templates.
 
     Knobs come from the tuning log when it has a record for the function, else from the
     heuristic. A function no template fits is left for TVM's rules, with a one-line warning.
@@ -55,7 +42,7 @@ class ScheduleReductions:
         target = Target.current()
         updates = {}
         for gv, func in mod.functions_items():
-            if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False) or not has_reduction(func):
+            if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False) or not is_reduce_subgraph(func):
                 continue
             knobs = self.database.lookup(func, target) if self.database else None
             try:
@@ -71,6 +58,25 @@ class ScheduleReductions:
         for gv, func in updates.items():
             mod[gv] = func
         return mod
+
+
+def fusion_passes() -> list:
+    """Legalize and fuse: what every fused PrimFunc the schedules see has been through."""
+    return [
+        relax.transform.LegalizeOps(customize_legalize_map=LEGALIZE),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        relax.transform.FuseOps(),
+        relax.transform.FuseTIR(),
+    ]
+
+
+def fused_reduce_functions(mod: tvm.IRModule, target) -> dict:
+    """{name: PrimFunc} of the fused reduce subgraphs the pipeline will schedule (the tuner's tasks)."""
+    with target:
+        fused = tvm.transform.Sequential(relax.pipeline.library_dispatch_passes(target) + fusion_passes())(mod)
+    return {gv.name_hint: f for gv, f in fused.functions_items()
+            if isinstance(f, tirx.PrimFunc) and is_reduce_subgraph(f)}
 
 
 def _dlight_defaults():
@@ -91,14 +97,7 @@ def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **opt
         target = Target.current()
         if target is None:
             raise ValueError("the tvm_ext pipeline needs a target: run it inside `with target:` or via tvm_ext.build")
-        passes = relax.pipeline.library_dispatch_passes(target) + [
-            relax.transform.LegalizeOps(customize_legalize_map=LEGALIZE),
-            relax.transform.AnnotateTIROpPattern(),
-            relax.transform.FoldConstant(),
-            relax.transform.FuseOps(),
-            relax.transform.FuseTIR(),
-            ScheduleReductions(database),
-        ]
+        passes = relax.pipeline.library_dispatch_passes(target) + fusion_passes() + [ScheduleReductions(database)]
         if "gpu" in target.keys:
             passes.append(_dlight_defaults())
         passes += [  # relax.pipeline.dataflow_lower_passes(llvm) raises in 0.27; this is its list

@@ -19,6 +19,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import tvm
+import tvm_ffi
 from tvm import tirx
 from tvm.target import Target
 
@@ -27,7 +28,7 @@ VERSION = 1
 
 def task_key(func: tirx.PrimFunc, target: Target) -> str:
     """Stable identity of a fused PrimFunc on a target: structure (symbolic dims kept) + arch."""
-    digest = tvm.ir.structural_hash(func.without_attr("global_symbol"), map_free_vars=True)
+    digest = tvm_ffi.structural_hash(func.without_attr("global_symbol"), map_free_vars=True)
     arch = str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else ""
     return f"{digest & (2**64 - 1):016x}-{target.kind.name}{'-' + arch if arch else ''}"
 

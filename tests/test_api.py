@@ -1,0 +1,149 @@
+"""The public API: pipeline registration, bad input, tuning-log lookup, the TIR pass hook, fallback."""
+
+import json
+import re
+import warnings
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax, tirx
+from tvm.runtime.vm import VirtualMachine
+
+import tvm_ext
+from bench.suite import relax_module
+from conftest import CUDA_TARGET, has_gpu
+from tvm_ext.pipeline import fused_reduce_functions
+from tvm_ext.records import append_record
+
+
+def test_import_registers_the_pipeline_that_build_runs():
+    mod = relax_module("softmax", [64, 1000], "float16")
+    target = tvm_ext.parse_target(CUDA_TARGET)
+    assert isinstance(relax.get_pipeline("tvm_ext"), tvm.transform.Pass)
+    via_name = tvm.compile(mod, target=target, relax_pipeline="tvm_ext", tir_pipeline="tvm_ext")
+    via_build = tvm_ext.build(mod, CUDA_TARGET)
+    assert tvm_ext.cuda_source(via_name) == tvm_ext.cuda_source(via_build)
+    assert "__shfl_down_sync" in tvm_ext.cuda_source(via_build)
+
+
+@pytest.mark.parametrize("target, match", [
+    ("cuda -arch=sm_90", "unsupported target string 'cuda -arch=sm_90'"),
+    ("rocm", "unsupported target string 'rocm'"),
+    ({"kind": "no_such_kind"}, "invalid target"),
+    (42, "unsupported target 42"),
+])
+def test_bad_target_is_a_clear_value_error(target, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        tvm_ext.build(relax_module("row_sum", [4, 8], "float32"), target)
+
+
+@pytest.mark.skipif(has_gpu(), reason="checks the message given when no GPU is visible")
+def test_cuda_shorthand_without_gpu_says_so():
+    with pytest.raises(ValueError, match="no CUDA GPU is visible"):
+        tvm_ext.build(relax_module("row_sum", [4, 8], "float32"), "cuda")
+
+
+def test_missing_database_is_file_not_found(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+        tvm_ext.build(relax_module("row_sum", [4, 8], "float32"), "llvm", database=missing)
+
+
+def test_module_without_relax_main_is_a_value_error():
+    mod = relax_module("row_sum", [4, 8], "float32")
+    renamed = tvm.IRModule({tvm.ir.GlobalVar("forward"): mod["main"]})
+    with pytest.raises(ValueError, match="no Relax function 'main'"):
+        tvm_ext.build(renamed, "llvm")
+    with pytest.raises(ValueError, match="expected a tvm.IRModule"):
+        tvm_ext.build(mod["main"], "llvm")
+
+
+def test_unknown_build_option_is_named():
+    with pytest.raises(ValueError, match="welfordd"):
+        tvm_ext.build(relax_module("row_sum", [4, 8], "float32"), "llvm", welfordd=True)
+
+
+def _layer_norm_task(target):
+    mod = relax_module("layer_norm", [256, 4096], "float16")
+    (name, func), = fused_reduce_functions(mod, tvm_ext.parse_target(target)).items()
+    return mod, name, func
+
+
+def test_database_knobs_replace_the_heuristic(tmp_path):
+    mod, name, func = _layer_norm_task(CUDA_TARGET)
+    heuristic = tvm_ext.cuda_source(tvm_ext.build(mod, CUDA_TARGET))
+    assert "__launch_bounds__(64)" not in heuristic and "p0_shared_ptr[4096]" in heuristic
+    log = tmp_path / "log.jsonl"
+    knobs = {"strategy": "block_row", "threads": 64, "vec": 4, "cache": False}
+    append_record(log, func, tvm_ext.parse_target(CUDA_TARGET), name, knobs, us=10.0)
+    append_record(log, func, tvm_ext.parse_target(CUDA_TARGET), name, dict(knobs, threads=128), us=20.0)  # slower
+    tuned = tvm_ext.cuda_source(tvm_ext.build(mod, CUDA_TARGET, database=log))
+    assert "__launch_bounds__(64)" in tuned and "p0_shared_ptr" not in tuned
+
+
+def test_unusable_log_lines_are_skipped_with_a_warning(tmp_path):
+    mod, name, func = _layer_norm_task(CUDA_TARGET)
+    log = tmp_path / "log.jsonl"
+    append_record(log, func, tvm_ext.parse_target(CUDA_TARGET), name,
+                  {"strategy": "block_row", "threads": 64, "vec": 4, "cache": False}, us=10.0)
+    good = log.read_text()
+    other_version = json.loads(good)
+    other_version.update(tvm="0.19.0", knobs={"strategy": "block_row", "threads": 32, "vec": 1, "cache": False})
+    log.write_text(good + '{"key": "trunc' + "\n" + json.dumps(other_version) + "\n")
+    with pytest.warns(UserWarning, match="skipped 2 unusable line"):
+        src = tvm_ext.cuda_source(tvm_ext.build(mod, CUDA_TARGET, database=log))
+    assert "__launch_bounds__(64)" in src  # the good record still applies, the foreign one does not
+
+
+def test_tir_pass_hook_sees_scheduled_functions_and_device_kernels():
+    seen = {"early": [], "late": []}
+
+    def recorder(phase):
+        @tirx.transform.prim_func_pass(opt_level=0, name=f"Record_{phase}")
+        def record(func, _mod, _ctx):
+            seen[phase].append((str(func.attrs["global_symbol"]), bool(func.attrs.get("tirx.is_scheduled", False))))
+            return func
+        return record
+
+    passes = [tvm_ext.register_tir_pass(recorder(p), phase=p) for p in ("early", "late")]
+    try:
+        ex = tvm_ext.build(relax_module("softmax", [64, 1000], "float16"), CUDA_TARGET)
+    finally:
+        for p in passes:
+            tvm_ext.unregister_tir_pass(p)
+    assert seen["early"] == [("softmax", True)]
+    assert [name for name, _ in seen["late"]] == tvm_ext.cuda_kernels(ex) == ["softmax_kernel"]
+    with pytest.raises(ValueError, match="unknown TIR pass phase 'middle'"):
+        tvm_ext.register_tir_pass(recorder("early"), phase="middle")
+
+
+def test_refused_function_falls_back_with_a_warning_and_stays_correct(rng):
+    # LayerNorm over every axis is a full reduction with an element-wise epilogue: no template fits.
+    shape = [6, 50]
+    bb = relax.BlockBuilder()
+    x, g, b = (relax.Var(n, relax.TensorType(shape, "float32")) for n in "xgb")
+    with bb.function("main", [x, g, b]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.nn.layer_norm(x, g, b, axes=[0, 1], epsilon=1e-5))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    for target in ("llvm", CUDA_TARGET):
+        with pytest.warns(UserWarning, match=r"tvm_ext: layer_norm: no tvm_ext schedule matches it; falling back"):
+            ex = tvm_ext.build(mod, target)
+    xs, gs, bs = (rng.standard_normal(shape).astype("float32") for _ in range(3))
+    out = VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())["main"](*map(tvm.runtime.tensor, (xs, gs, bs)))
+    np.testing.assert_allclose(out.numpy(), (xs - xs.mean()) / np.sqrt(xs.var() + 1e-5) * gs + bs, rtol=1e-4, atol=1e-5)
+    assert len(tvm_ext.cuda_kernels(ex)) >= 1  # TVM's dlight rules built it
+
+
+def test_matmuls_are_left_to_tvm_without_a_warning():
+    bb = relax.BlockBuilder()
+    x, w = relax.Var("x", relax.TensorType([64, 128], "float16")), relax.Var("w", relax.TensorType([128, 64], "float16"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.matmul(x, w))
+        bb.emit_func_output(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tvm_ext.cuda_kernels(tvm_ext.build(bb.get(), CUDA_TARGET))

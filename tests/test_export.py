@@ -1,0 +1,86 @@
+"""Export, then load and run in a fresh process that never imports the compiler side of the project."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tvm
+from tvm.runtime.vm import VirtualMachine
+
+import tvm_ext
+from bench.suite import relax_module
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Loads tvm_ext/runtime.py by path (not `import tvm_ext`), with TVM's runtime-only library
+# (TVM_USE_RUNTIME_LIB=1): neither the project's compiler side nor libtvm_compiler is loaded.
+DEPLOY = r"""
+import importlib.util, sys
+import numpy as np
+import tvm
+spec = importlib.util.spec_from_file_location("deploy_runtime", sys.argv[1])
+runtime = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(runtime)
+dev = tvm.device(sys.argv[5])
+vm = runtime.load(sys.argv[2], dev)
+out = vm["main"](tvm.runtime.tensor(np.load(sys.argv[3]), dev)).numpy()
+np.save(sys.argv[4], out)
+leaked = sorted(m for m in sys.modules if m.split(".")[0] in ("tvm_ext", "schedules", "search", "xgboost"))
+compiler = "libtvm_compiler" in open("/proc/self/maps").read()
+print("leaked", leaked, "compiler library loaded", compiler)
+"""
+
+
+def deploy_round_trip(tmp_path, rng, target, device, env):
+    """Build, export, run here and in a fresh process; returns (input, output here)."""
+    so = tvm_ext.export(tvm_ext.build(relax_module("softmax", ["n", 300], "float32"), target), tmp_path / "sm.so")
+    x = rng.standard_normal((7, 300)).astype("float32")
+    dev = tvm.device(device)
+    expected = VirtualMachine(tvm.runtime.load_module(so), dev)["main"](tvm.runtime.tensor(x, dev)).numpy()
+    np.save(tmp_path / "x.npy", x)
+    proc = subprocess.run([sys.executable, "-c", DEPLOY, os.path.join(ROOT, "tvm_ext", "runtime.py"), so,
+                           str(tmp_path / "x.npy"), str(tmp_path / "out.npy"), device],
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH="", **env), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), expected)
+    np.testing.assert_allclose(expected, np.exp(x) / np.exp(x).sum(-1, keepdims=True), rtol=1e-5)
+    return proc.stdout
+
+
+def test_export_then_fresh_runtime_only_process_gives_same_numbers(tmp_path, rng):
+    out = deploy_round_trip(tmp_path, rng, "llvm", "cpu", {"TVM_USE_RUNTIME_LIB": "1"})
+    assert "leaked [] compiler library loaded False" in out
+
+
+@pytest.mark.gpu
+def test_cuda_export_runs_in_a_fresh_process_without_the_project(tmp_path, rng):
+    out = deploy_round_trip(tmp_path, rng, "cuda", "cuda", {})
+    assert "leaked []" in out
+
+
+def test_load_and_export_name_bad_paths(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.so"):
+        tvm_ext.load(tmp_path / "missing.so")
+    ex = tvm_ext.build(relax_module("row_sum", [4, 8], "float32"), "llvm")
+    with pytest.raises(FileNotFoundError, match="no_such_dir"):
+        tvm_ext.export(ex, tmp_path / "no_such_dir" / "m.so")
+    with pytest.raises(ValueError, match="must end in .so"):
+        tvm_ext.export(ex, tmp_path / "m.tar")
+
+
+def test_failed_export_keeps_the_previous_file(tmp_path):
+    target = tmp_path / "m.so"
+    tvm_ext.export(tvm_ext.build(relax_module("row_sum", [4, 8], "float32"), "llvm"), target)
+    before = target.read_bytes()
+
+    class Broken:
+        def export_library(self, path):
+            open(path, "wb").write(b"partial")
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        tvm_ext.export(Broken(), target)
+    assert target.read_bytes() == before
