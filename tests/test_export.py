@@ -42,7 +42,7 @@ def deploy_round_trip(tmp_path, rng, target, device, env):
     np.save(tmp_path / "x.npy", x)
     proc = subprocess.run([sys.executable, "-c", DEPLOY, os.path.join(ROOT, "tvm_ext", "runtime.py"), so,
                            str(tmp_path / "x.npy"), str(tmp_path / "out.npy"), device],
-                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH="", **env), capture_output=True, text=True,
+                          cwd=tmp_path, env=dict(os.environ, **env), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), expected)
