@@ -56,7 +56,7 @@ def plot(result: dict, path: str) -> None:
     impls = [i for i in IMPLS if any(r["impl"] == i for r in result["rows"])]
     labels = list(table)
     width = 0.8 / len(impls)
-    fig, ax = plt.subplots(figsize=(max(10, 0.55 * len(labels) * len(impls) / 2), 6))
+    fig, ax = plt.subplots(figsize=(max(10, 0.5 * len(labels)), 6))
     for k, impl in enumerate(impls):
         values = [table[l].get(impl, {}).get("gbps", 0) for l in labels]
         ax.bar([i + k * width for i in range(len(labels))], values, width, label=impl)
