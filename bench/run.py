@@ -26,7 +26,7 @@ from tqdm import tqdm  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from bench.report import write_reports
-from bench.suite import EPS, concrete_shape, effective_bytes, load_suite, relax_module
+from bench.suite import EPS, concrete_shape, effective_bytes, input_shapes, load_suite, relax_module
 
 TORCH_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -109,8 +109,8 @@ def run_case(case: dict, database, log) -> list[dict]:
     for values in points:
         conc = concrete_shape(shape, values)
         gen = torch.Generator(device="cuda").manual_seed(0)
-        shapes = {"layer_norm": [conc, conc[-1:], conc[-1:]], "rms_norm": [conc, conc[-1:]]}.get(op, [conc])
-        args = [(torch.randn(s, device="cuda", generator=gen) * 2 + 0.5).to(TORCH_DTYPE[dtype]) for s in shapes]
+        args = [(torch.randn(s, device="cuda", generator=gen) * 2 + 0.5).to(TORCH_DTYPE[dtype])
+                for s in input_shapes(op, conc)]
         ref = impls["torch_eager"](*args)
         ref64 = torch_fn(op)(*[a.double() for a in args])
         nbytes = effective_bytes(op, conc, dtype)

@@ -20,7 +20,7 @@ def load_suite(path: str = SUITE) -> list[dict]:
         return json.load(f)["cases"]
 
 
-def _param_shapes(op: str, shape: list) -> list:
+def input_shapes(op: str, shape: list) -> list:
     """Shapes of all inputs: x first, then the per-column weight (and bias)."""
     return {"layer_norm": [shape, shape[-1:], shape[-1:]], "rms_norm": [shape, shape[-1:]]}.get(op, [shape])
 
@@ -50,7 +50,7 @@ def relax_module(op: str, shape: list, dtype: str):
     syms = {d: tirx.Var(d, "int64") for d in shape if isinstance(d, str)}
     dims = [syms[d] if isinstance(d, str) else d for d in shape]
     bb = relax.BlockBuilder()
-    params = [relax.Var(f"p{i}", relax.TensorType(s, dtype)) for i, s in enumerate(_param_shapes(op, dims))]
+    params = [relax.Var(f"p{i}", relax.TensorType(s, dtype)) for i, s in enumerate(input_shapes(op, dims))]
     with bb.function("main", params):
         with bb.dataflow():
             out = bb.emit_output(_relax_body(op, params))
@@ -64,7 +64,7 @@ def concrete_shape(shape: list, values: dict) -> list[int]:
 
 def random_inputs(op: str, shape: list[int], rng: np.random.Generator) -> list[np.ndarray]:
     """float32 inputs (cast by the caller); x is not centred so one-pass variance would show."""
-    return [rng.standard_normal(s).astype("float32") * 2 + 0.5 for s in _param_shapes(op, shape)]
+    return [rng.standard_normal(s).astype("float32") * 2 + 0.5 for s in input_shapes(op, shape)]
 
 
 def reference(op: str, arrays: list[np.ndarray]) -> list[np.ndarray]:
