@@ -64,16 +64,17 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
     }
 
 
-def _spread(sch: s_tir.Schedule, loops, threads: int, vec: int = 1):
-    """Fuse `loops`, spread them over threadIdx.x (+ a vector lane); returns the serial loop."""
-    fused = sch.fuse(*loops)
-    if vec > 1:
-        outer, tx, lane = sch.split(fused, [None, threads, vec])
-        sch.vectorize(lane)
-    else:
-        outer, tx = sch.split(fused, [None, threads])
-        sch.reorder(tx, outer)
+def _spread(sch: s_tir.Schedule, loops, threads: int, vec: int = 1, vectorize: bool = True):
+    """Fuse `loops` and spread them over threadIdx.x in chunks of `vec` adjacent elements.
+
+    Stores and copies vectorize the chunk; a reduction unrolls it, so that its loads from the
+    shared-memory cache can still be issued as one wide load.
+    """
+    outer, tx, lane = sch.split(sch.fuse(*loops), [None, threads, vec])
+    sch.reorder(tx, outer, lane)
     sch.bind(tx, "threadIdx.x")
+    if vec > 1:
+        (sch.vectorize if vectorize else sch.unroll)(lane)
     sch.annotate(outer, "pragma_auto_unroll_max_step", UNROLL)
     sch.annotate(outer, "pragma_unroll_explicit", 1)
     return outer
@@ -101,7 +102,7 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
         for i, _ in enumerate(sch.get(info.block_rv).writes):
             sch.set_scope(info.block_rv, i, "shared")
         sch.compute_at(info.block_rv, row, preserve_unit_loops=True)
-        _spread(sch, sch.get_loops(info.block_rv)[1:], threads)
+        _spread(sch, sch.get_loops(info.block_rv)[1:], threads, vec if cached else 1, vectorize=False)
 
     for buf in cached:
         consumers = [

@@ -1,0 +1,69 @@
+"""Time hand-listed knob variants of our schedules on this GPU (a manual search, to set heuristics).
+
+    python -m bench.sweep --cases ln-8192x4096-f16,sm-49152x1024-f16 --threads 32,64,128,256 --cache 0,1
+
+Each variant is built through `tvm_ext.build(..., database=<a one-record log>)`, checked against
+PyTorch eager, and timed like bench.run; the heuristic's own choice is timed alongside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import tempfile
+
+import tvm  # before torch
+import tvm_ext
+from tvm_ext.pipeline import fused_reduce_functions
+from tvm_ext.records import append_record
+
+import schedules  # noqa: E402
+import torch  # noqa: E402
+
+from bench.run import TORCH_DTYPE, max_err, time_us, torch_fn, tvm_callable  # noqa: E402
+from bench.suite import effective_bytes, input_shapes, load_suite, relax_module  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", required=True)
+    ap.add_argument("--threads", default="32,64,128,256,512,1024")
+    ap.add_argument("--cache", default="0,1")
+    args = ap.parse_args(argv)
+    target = tvm_ext.parse_target("cuda")
+    wanted = args.cases.split(",")
+    for case in [c for c in load_suite() if c["id"] in wanted]:
+        op, shape, dtype = case["op"], case["shape"], case["dtype"]
+        mod = relax_module(op, shape, dtype)
+        funcs = fused_reduce_functions(mod, target)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        inputs = [(torch.randn(s, device="cuda", generator=gen) * 2 + 0.5).to(TORCH_DTYPE[dtype])
+                  for s in input_shapes(op, shape)]
+        ref = torch_fn(op)(*inputs)
+        nbytes = effective_bytes(op, shape, dtype)
+        heuristic = {name: schedules.heuristic_knobs(f, target) for name, f in funcs.items()}
+        print(f"{case['id']}: heuristic {heuristic}", flush=True)
+        variants = [None] + [
+            {"threads": int(t), "cache": bool(int(c))}
+            for t, c in itertools.product(args.threads.split(","), args.cache.split(","))]
+        for variant in variants:
+            with tempfile.TemporaryDirectory() as tmp:
+                log = os.path.join(tmp, "log.jsonl")
+                for name, func in funcs.items():
+                    append_record(log, func, target, name, dict(heuristic[name], **(variant or {})), us=1.0)
+                try:
+                    fn = tvm_callable(tvm_ext.build(mod, target, database=log))
+                    err = max_err(fn(*inputs), ref)
+                    us = time_us(fn, inputs)
+                except Exception as e:  # a variant a template refuses or TVM cannot lower
+                    print(f"  {variant}: failed: {str(e).strip().splitlines()[-1][:150]}", flush=True)
+                    continue
+            print(f"  {str(variant or 'heuristic'):40s} {us:8.1f} us {nbytes / us / 1e3:6.0f} GB/s err {err:.3g}",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
