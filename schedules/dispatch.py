@@ -10,11 +10,12 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.target import Target
 
-from . import block_row, column_reduce, cpu_rows
+from . import block_row, column_reduce, cpu_rows, warp_row
 from .analysis import match
 from .device import device_of
 
-STRATEGIES = {s.NAME: s for s in (block_row, column_reduce, cpu_rows)}
+# Heuristic order: the first strategy whose default_knobs accepts the pattern wins.
+STRATEGIES = {s.NAME: s for s in (warp_row, block_row, column_reduce, cpu_rows)}
 
 
 def heuristic_knobs(func: tirx.PrimFunc, target: Target) -> dict | None:

@@ -1,0 +1,98 @@
+"""The row-chain schedule both row strategies are made of (warp_row, block_row).
+
+`rows_per_block` rows share a thread block along threadIdx.y; each row's reduce axis is spread
+over `threads` lanes of threadIdx.x in chunks of `vec` adjacent elements. Every reduction of the
+chain is computed under its row and combined across the lanes by TVM's cross-thread reduction
+(warp shuffles, plus one shared-memory round when the lanes span several warps). With `cache`,
+inputs read by more than one block of the chain (LayerNorm reads x three times) are first staged
+in shared memory with wide loads, so they cross HBM once.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir
+
+from .analysis import ReducePattern, const_int
+
+UNROLL = 256
+# TVM 0.27's CUDA codegen emits a broadcast of 8 float32 lanes as make_ulonglong4(8 floats), which
+# nvcc rejects; epilogues compute in float32, so they vectorize by at most 4 lanes (float4).
+MAX_EPILOGUE_LANES = 4
+# Rows staged in shared memory up to this size were measured correct and fastest on an H200
+# (bench.sweep: softmax 2048x32768 f16, 3740 GB/s staged against 1964 re-read); larger is untried.
+SMEM_CACHE_LIMIT = 64 * 1024
+
+
+def vector_lanes(pattern: ReducePattern) -> int:
+    """Widest vector (up to 16 bytes) that divides the row, so vector accesses need no tail."""
+    n = const_int(pattern.reduce_extent)
+    if n is None:
+        return 1
+    lanes = max(1, 16 // min((pattern.dtype_bytes(b) for b in pattern.input_buffers()), default=4))
+    while lanes > 1 and n % lanes:
+        lanes //= 2
+    return lanes
+
+
+def cached_inputs(pattern: ReducePattern) -> list:
+    """Inputs read by two or more blocks of the chain: staging those saves HBM traffic."""
+    sch = pattern.sch
+    return [buf for buf in pattern.input_buffers()
+            if sum(any(r.source.same_as(buf) for r in sch.get(b.block_rv).reads) for b in pattern.blocks) > 1]
+
+
+def row_bytes(pattern: ReducePattern, buffers) -> int | None:
+    n = const_int(pattern.reduce_extent)
+    return None if n is None else sum(n * pattern.dtype_bytes(buf) for buf in buffers)
+
+
+def worth_caching(pattern: ReducePattern, rows_per_block: int = 1) -> bool:
+    size = row_bytes(pattern, cached_inputs(pattern))
+    return bool(size) and size * rows_per_block <= SMEM_CACHE_LIMIT
+
+
+def _spread(sch: s_tir.Schedule, loops, threads: int, vec: int, vectorize: bool):
+    """Fuse `loops` and spread them over threadIdx.x in chunks of `vec` adjacent elements.
+
+    Stores and copies vectorize the chunk; a reduction unrolls it, so that its loads from the
+    shared-memory cache can still be issued as one wide load.
+    """
+    outer, tx, lane = sch.split(sch.fuse(*loops), [None, threads, vec])
+    sch.reorder(tx, outer, lane)
+    sch.bind(tx, "threadIdx.x")
+    if vec > 1:
+        (sch.vectorize if vectorize else sch.unroll)(lane)
+    sch.annotate(outer, "pragma_auto_unroll_max_step", UNROLL)
+    sch.annotate(outer, "pragma_unroll_explicit", 1)
+
+
+def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec: int, cache: bool):
+    sch, ns = pattern.sch, pattern.num_spatial
+    last = pattern.blocks[-1]
+    loops = sch.get_loops(last.block_rv)
+    block, row = sch.split(sch.fuse(*loops[:ns]), [None, rows_per_block])
+    sch.bind(block, "blockIdx.x")
+    sch.bind(row, "threadIdx.y")
+    if len(loops) > ns:  # a reduction, or an epilogue over every element of the row
+        lanes = min(vec, MAX_EPILOGUE_LANES) if pattern.epilogue is not None else 1
+        _spread(sch, loops[ns:], threads, lanes, vectorize=True)
+    else:  # one value per row: lane 0 writes it
+        _spread(sch, [sch.add_unit_loop(last.block_rv)], threads, 1, vectorize=True)
+
+    for info in reversed(pattern.blocks[:-1]):
+        for i, _ in enumerate(sch.get(info.block_rv).writes):
+            sch.set_scope(info.block_rv, i, "local" if rows_per_block > 1 else "shared")
+        sch.compute_at(info.block_rv, row, preserve_unit_loops=True)
+        _spread(sch, sch.get_loops(info.block_rv)[2:], threads, vec if cache else 1, vectorize=False)
+
+    for buf in cached_inputs(pattern) if cache else []:
+        consumers = [b.block_rv for b in pattern.blocks
+                     if any(r.source.same_as(buf) for r in sch.get(b.block_rv).reads)]
+        index = [i for i, r in enumerate(sch.get(consumers[0]).reads) if r.source.same_as(buf)][0]
+        # dynamic shared memory: TVM's runtime raises the 48 KB default when a launch asks for more
+        staged = sch.cache_read(consumers[0], index, "shared.dyn", consumer_blocks=consumers)
+        sch.compute_at(staged, block, preserve_unit_loops=True)  # each threadIdx.y stages its own row
+        staged_row, *columns = sch.get_loops(staged)[1:]
+        sch.bind(sch.fuse(staged_row, *columns[:-1]) if len(columns) > 1 else staged_row, "threadIdx.y")
+        _spread(sch, columns[-1:], threads, vec, vectorize=True)
+    return sch

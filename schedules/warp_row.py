@@ -1,0 +1,40 @@
+"""GPU strategy for short rows (up to ~2k elements): a warp, or a group of lanes, per row.
+
+`group` lanes (2..32, a power of two) share a row and reduce it with warp shuffles alone;
+`rows_per_block` rows fill a block along threadIdx.y, so a 384-wide row does not idle 3/4 of a
+block the way one-block-per-row would.
+"""
+
+from __future__ import annotations
+
+from .analysis import ROW, ReducePattern, const_int
+from .device import Device
+from .rows import row_bytes, schedule_rows, vector_lanes, worth_caching
+
+NAME = "warp_row"
+MAX_ROW_BYTES = 4096  # longer rows go to block_row
+BLOCK_THREADS = 128
+
+
+def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
+    if not device.is_gpu or pattern.layout != ROW:
+        return None
+    n, size = const_int(pattern.reduce_extent), row_bytes(pattern, pattern.input_buffers()[:1])
+    if n is None or size > MAX_ROW_BYTES:
+        return None
+    vec = vector_lanes(pattern)
+    group = device.warp  # the widest group that gives every lane at least one vector
+    while group > 2 and group * vec > n:
+        group //= 2
+    rows = BLOCK_THREADS // group
+    return {"strategy": NAME, "group": group, "rows_per_block": rows, "vec": vec,
+            "cache": worth_caching(pattern, rows)}
+
+
+def apply(pattern: ReducePattern, device: Device, knobs: dict):
+    group, rows = int(knobs["group"]), int(knobs["rows_per_block"])
+    if not device.is_gpu or pattern.layout != ROW or const_int(pattern.reduce_extent) is None:
+        return None
+    if not 2 <= group <= device.warp or group & (group - 1) or group * rows > device.max_threads:
+        return None
+    return schedule_rows(pattern, group, rows, int(knobs.get("vec", 1)), bool(knobs.get("cache")))
