@@ -1,6 +1,7 @@
 """Time hand-listed knob variants of our schedules on this GPU (a manual search, to set heuristics).
 
-    python -m bench.sweep --cases ln-8192x4096-f16,sm-49152x1024-f16 --threads 32,64,128,256 --cache 0,1
+    python -m bench.sweep --cases ln-8192x4096-f16,sm-49152x1024-f16 \
+        --grid '{"strategy": ["block_row"], "threads": [64, 128, 256], "cache": [false, true]}'
 
 Each variant is built through `tvm_ext.build(..., database=<a one-record log>)`, checked against
 PyTorch eager, and timed like bench.run; the heuristic's own choice is timed alongside.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
 import tempfile
@@ -29,9 +31,9 @@ from bench.suite import effective_bytes, input_shapes, load_suite, relax_module 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", required=True)
-    ap.add_argument("--threads", default="32,64,128,256,512,1024")
-    ap.add_argument("--cache", default="0,1")
+    ap.add_argument("--grid", required=True, help="JSON: knob name -> list of values; variants are the product")
     args = ap.parse_args(argv)
+    grid = json.loads(args.grid)
     target = tvm_ext.parse_target("cuda")
     wanted = args.cases.split(",")
     for case in [c for c in load_suite() if c["id"] in wanted]:
@@ -45,14 +47,12 @@ def main(argv=None) -> int:
         nbytes = effective_bytes(op, shape, dtype)
         heuristic = {name: schedules.heuristic_knobs(f, target) for name, f in funcs.items()}
         print(f"{case['id']}: heuristic {heuristic}", flush=True)
-        variants = [None] + [
-            {"threads": int(t), "cache": bool(int(c))}
-            for t, c in itertools.product(args.threads.split(","), args.cache.split(","))]
+        variants = [None] + [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
         for variant in variants:
             with tempfile.TemporaryDirectory() as tmp:
                 log = os.path.join(tmp, "log.jsonl")
                 for name, func in funcs.items():
-                    append_record(log, func, target, name, dict(heuristic[name], **(variant or {})), us=1.0)
+                    append_record(log, func, target, name, {**heuristic[name], **(variant or {})}, us=1.0)
                 try:
                     fn = tvm_callable(tvm_ext.build(mod, target, database=log))
                     err = max_err(fn(*inputs), ref)
