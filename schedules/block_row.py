@@ -31,6 +31,6 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict):
     threads = int(knobs["threads"])
     if not device.is_gpu or pattern.layout != ROW or threads > device.max_threads or threads % device.warp:
         return None
-    if knobs.get("cache") and const_int(pattern.reduce_extent) is None:
-        return None
+    if knobs.get("cache") and const_int(pattern.reduce_extent) is None and not knobs.get("max_extent"):
+        return None  # an unbounded symbolic row cannot be staged
     return schedule_rows(pattern, threads, 1, int(knobs.get("vec", 1)), bool(knobs.get("cache")))

@@ -11,11 +11,37 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 
 from . import block_row, column_reduce, cpu_rows, warp_row
-from .analysis import match
+from .analysis import ROW, const_int, match
 from .device import device_of
 
 # Heuristic order: the first strategy whose default_knobs accepts the pattern wins.
 STRATEGIES = {s.NAME: s for s in (warp_row, block_row, column_reduce, cpu_rows)}
+
+
+# A symbolic row width gets one kernel per width class, chosen at run time (tvm_ext.variants);
+# each class bounds the width so that its shared-memory stage fits (see rows.SMEM_CACHE_LIMIT).
+DYNAMIC_ROW_VARIANTS = [
+    (1024, {"strategy": "warp_row", "group": 32, "rows_per_block": 4, "vec": 1, "cache": True}),
+    (16384, {"strategy": "block_row", "threads": 256, "vec": 1, "cache": True}),
+    (None, {"strategy": "block_row", "threads": 1024, "vec": 1, "cache": False}),
+]
+
+
+def plan(func: tirx.PrimFunc, target: Target) -> list[tuple]:
+    """The kernels to build for `func`: [(condition over its symbolic dims, knobs), ...].
+
+    The last entry's condition is None (it serves whatever the others do not); [] when no
+    strategy fits.
+    """
+    pattern = match(func)
+    if pattern is None:
+        return []
+    extent = pattern.reduce_extent
+    if device_of(target).is_gpu and pattern.layout == ROW and const_int(extent) is None:
+        return [(None if bound is None else extent <= bound, dict(knobs, max_extent=bound))
+                for bound, knobs in DYNAMIC_ROW_VARIANTS]
+    knobs = heuristic_knobs(func, target)
+    return [(None, knobs)] if knobs else []
 
 
 def heuristic_knobs(func: tirx.PrimFunc, target: Target) -> dict | None:

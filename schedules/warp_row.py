@@ -33,8 +33,9 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
 
 def apply(pattern: ReducePattern, device: Device, knobs: dict):
     group, rows = int(knobs["group"]), int(knobs["rows_per_block"])
-    if not device.is_gpu or pattern.layout != ROW or const_int(pattern.reduce_extent) is None:
-        return None
+    width = const_int(pattern.reduce_extent) or knobs.get("max_extent")
+    if not device.is_gpu or pattern.layout != ROW or width is None:
+        return None  # the row width must be known, or bounded by the variant's condition
     if not 2 <= group <= device.warp or group & (group - 1) or group * rows > device.max_threads:
         return None
     return schedule_rows(pattern, group, rows, int(knobs.get("vec", 1)), bool(knobs.get("cache")))

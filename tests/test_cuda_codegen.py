@@ -12,9 +12,16 @@ import tvm_ext
 from bench.suite import relax_module
 from conftest import CUDA_TARGET
 from helpers import CASES
+from schedules.dispatch import DYNAMIC_ROW_VARIANTS
 
 # bn_stats is mean and variance: two fused functions until horizontal fusion lands.
 KERNELS = {"bn_stats": 2}
+
+
+def expected_kernels(case) -> int:
+    """One per fused function, times the width classes when the row width is symbolic."""
+    symbolic_width = isinstance(case["shape"][-1], str)
+    return KERNELS.get(case["op"], 1) * (len(DYNAMIC_ROW_VARIANTS) if symbolic_width else 1)
 _built = {}
 
 
@@ -32,7 +39,7 @@ def build_case(case):
 def test_one_cross_thread_kernel_per_fused_reduction(case):
     ex, src, fallbacks = build_case(case)
     assert fallbacks == [], "our schedules must serve every suite op"
-    assert len(tvm_ext.cuda_kernels(ex)) == KERNELS.get(case["op"], 1)
+    assert len(tvm_ext.cuda_kernels(ex)) == expected_kernels(case)
     if case["op"] == "col_sum":  # lanes along threadIdx.y meet in a shared-memory tree
         assert "threadIdx.y" in src and "__syncthreads" in src
     else:  # the reduce axis is spread over threadIdx.x and combined by warp shuffles
@@ -54,6 +61,18 @@ def test_dynamic_rows_compile_to_one_kernel_with_symbolic_grid():
     ex, src, _ = build_case(case)
     (kernel,) = tvm_ext.cuda_kernels(ex)
     assert re.search(rf"void __launch_bounds__\(\d+\) {kernel}\([^)]*int64_t n\)", src)
+
+
+def test_symbolic_row_width_dispatches_between_variants_at_run_time():
+    ex, src, _ = build_case(next(c for c in CASES if c["id"] == "sm-dyn-bxn-f16"))
+    assert tvm_ext.cuda_kernels(ex) == ["softmax_kernel", "softmax_v0_kernel", "softmax_v1_kernel"]
+    host = ex.as_text()
+    calls = re.findall(r"call  (softmax\w*) ", host)
+    assert calls == ["softmax_v0", "softmax_v1", "softmax"], "tried narrowest first, the unbounded kernel last"
+    assert host.count("If    ") == 2, "each bounded variant guarded by one host-side branch"
+    v0 = re.search(r"softmax_v0_kernel\([^)]*\) \{(.*?)\n\}", src, re.S).group(1)
+    assert "threadIdx.y" in v0 and "__shfl_down_sync" in v0  # warp_row: a warp per row, rows along y
+    assert re.search(r"__launch_bounds__\(1024\) softmax_kernel", src)  # block_row for unbounded widths
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

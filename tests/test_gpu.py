@@ -27,3 +27,10 @@ def test_suite_case_on_gpu(case, rng):
     for values in instantiate(case, shape, row_cap=4099):
         outs, refs = run_case(executable, tvm.cuda(0), case["op"], concrete_shape(shape, values), case["dtype"], rng)
         assert_close(outs, refs, case["dtype"])
+
+
+@pytest.mark.parametrize("width", [1000, 1024, 1025, 16384, 16385, 20000])  # each side of each class bound
+def test_symbolic_width_variants_on_gpu(width, rng):
+    executable = tvm_ext.build(relax_module("softmax", ["b", "s"], "float16"), "cuda")
+    outs, refs = run_case(executable, tvm.cuda(0), "softmax", [3, width], "float16", rng)
+    assert_close(outs, refs, "float16")

@@ -1,8 +1,9 @@
 """The `tvm_ext` Relax pipeline: legalize, fuse, schedule fused reductions with our templates.
 
 Order: library dispatch -> LegalizeOps (with our legalizations) -> AnnotateTIROpPattern ->
-FoldConstant -> FuseOps -> FuseTIR -> our schedules for every fused PrimFunc with a reduction ->
-TVM's dlight rules for the rest (GPU) -> dataflow lowering -> VM finalisation. The TIR passes
+FoldConstant -> FuseOps -> FuseTIR -> leave dataflow form -> our schedules for every fused PrimFunc
+with a reduction (several kernels and a run-time `if` where dims are symbolic) -> TVM's dlight
+rules for the rest (GPU) -> CallTIRRewrite -> VM finalisation. The TIR passes
 of `tvm_ext.passes` run later, inside `tvm.compile`, under the TIR pipeline of the same name.
 """
 
@@ -21,6 +22,7 @@ from schedules.analysis import is_reduce_subgraph
 
 from .legalize import LEGALIZE
 from .records import Database
+from .variants import dispatch_variants
 
 PIPELINE = "tvm_ext"
 SCHEDULED = "tirx.is_scheduled"
@@ -40,24 +42,28 @@ class ScheduleReductions:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         target = Target.current()
-        updates = {}
-        for gv, func in mod.functions_items():
+        dispatch, builder = {}, relax.BlockBuilder(mod)
+        for gv, func in list(mod.functions_items()):
             if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False) or not is_reduce_subgraph(func):
                 continue
             knobs = self.database.lookup(func, target) if self.database else None
+            plan = [(None, knobs)] if knobs else schedules.plan(func, target)
             try:
-                sch = schedules.schedule(func, target, knobs)
+                kernels = [(cond, schedules.schedule(func, target, k)) for cond, k in plan]
             except Exception as err:  # a template bug must cost speed, never the build
-                sch, why = None, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                kernels, why = [], f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             else:
                 why = "no tvm_ext schedule matches it"
-            if sch is None:
+            if not kernels or any(sch is None for _, sch in kernels):
                 warnings.warn(f"tvm_ext: {gv.name_hint}: {why}; falling back to TVM's default schedule", stacklevel=2)
                 continue
-            updates[gv] = sch.mod["main"].with_attr(SCHEDULED, True)
-        for gv, func in updates.items():
-            mod[gv] = func
-        return mod
+            *guarded, (_, fallback) = kernels
+            builder.update_func(gv, fallback.mod["main"].with_attr(SCHEDULED, True))
+            if guarded:  # symbolic dims: one kernel per class of sizes, chosen at run time
+                dispatch[gv.name_hint] = [
+                    (cond, builder.add_func(sch.mod["main"].with_attr(SCHEDULED, True), f"{gv.name_hint}_v{i}"))
+                    for i, (cond, sch) in enumerate(guarded)] + [(None, gv)]
+        return dispatch_variants(builder.get(), dispatch)
 
 
 def fusion_passes() -> list:
@@ -97,15 +103,17 @@ def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **opt
         target = Target.current()
         if target is None:
             raise ValueError("the tvm_ext pipeline needs a target: run it inside `with target:` or via tvm_ext.build")
-        passes = relax.pipeline.library_dispatch_passes(target) + fusion_passes() + [ScheduleReductions(database)]
-        if "gpu" in target.keys:
-            passes.append(_dlight_defaults())
-        passes += [  # relax.pipeline.dataflow_lower_passes(llvm) raises in 0.27; this is its list
+        passes = relax.pipeline.library_dispatch_passes(target) + fusion_passes() + [
+            # relax.pipeline.dataflow_lower_passes(llvm) raises in 0.27; these are its passes, with
+            # scheduling moved after ToNonDataflow so that kernel variants can be chosen by an `if`
             relax.transform.RewriteDataflowReshape(),
             relax.transform.ToNonDataflow(),
             relax.transform.RemovePurityChecking(),
-            relax.transform.CallTIRRewrite(),
+            ScheduleReductions(database),
         ]
+        if "gpu" in target.keys:
+            passes.append(_dlight_defaults())
+        passes.append(relax.transform.CallTIRRewrite())
         passes += relax.pipeline.finalize_passes(target)
         return tvm.transform.Sequential(passes)(mod)
 

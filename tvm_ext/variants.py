@@ -1,0 +1,87 @@
+"""Run-time choice between kernel variants of one fused function.
+
+When a fused function has symbolic dims, the best kernel depends on their values (a 128-wide
+softmax row wants a warp, a 16k-wide one a block). The dispatcher then returns several variants,
+each with a condition over the function's symbolic dims; this module adds them to the module and
+rewrites every call site into a chain of `if`s on the run-time shape, evaluated on the host by
+the VM: the choice costs a compare, not a kernel.
+"""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+from tvm import relax, tirx
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+
+
+def _tensor_types(ty) -> list:
+    return list(ty.fields) if isinstance(ty, relax.TupleType) else [ty]
+
+
+def _shape_bindings(func: tirx.PrimFunc, call: relax.Call) -> dict:
+    """Map the PrimFunc's symbolic dims to the caller's shape expressions."""
+    args = list(call.args[1].fields) if isinstance(call.args[1], relax.Tuple) else [call.args[1]]
+    types = [a.ty for a in args] + _tensor_types(call.ty)
+    bindings = {}
+    for param, ty in zip(func.params, types):
+        if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+            continue
+        for dim, value in zip(param.shape, ty.shape.values):
+            if isinstance(dim, tirx.Var):
+                bindings[dim] = value
+    return bindings
+
+
+def _substitute(expr, bindings: dict):
+    def replace(var):
+        for key, value in bindings.items():
+            if key.same_as(var):
+                return value
+        return var
+
+    return tvm_ffi.structural_map(expr, (tirx.Var, replace))
+
+
+@mutator
+class _DispatchCallSites(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, table: dict):
+        super().__init__(mod)
+        self.mod_ = mod
+        self.table = table  # GlobalVar name -> [(condition over the PrimFunc's vars | None, variant GlobalVar)]
+
+    def visit_call_(self, call):
+        call = self.visit_expr_post_order(call)
+        if not (isinstance(call.op, tvm.ir.Op) and call.op.same_as(CALL_TIR)):
+            return call
+        variants = self.table.get(call.args[0].name_hint)
+        if not variants:
+            return call
+        bindings = _shape_bindings(self.mod_[call.args[0]], call)
+        *guarded, (_, fallback) = variants
+        expr = relax.SeqExpr([], self._call(call, fallback))
+        for condition, gv in reversed(guarded):
+            expr = relax.SeqExpr([], relax.If(relax.prim_value(_substitute(condition, bindings)),
+                                              relax.SeqExpr([], self._call(call, gv)), expr))
+        return expr.body
+
+    @staticmethod
+    def _call(call, gv):
+        return relax.Call(call.op, [gv] + list(call.args[1:]), call.attrs, call.ty_args)
+
+
+def dispatch_variants(mod: tvm.IRModule, table: dict) -> tvm.IRModule:
+    """Rewrite the call sites of each function named in `table` into a run-time choice.
+
+    `table`: function name -> [(condition, variant GlobalVar), ..., (None, fallback GlobalVar)],
+    conditions over the original PrimFunc's symbolic dims, tried in order.
+    """
+    if not table:
+        return mod
+    rewriter = _DispatchCallSites(mod, table)
+    for gv, func in list(mod.functions_items()):
+        if isinstance(func, relax.Function):
+            mod[gv] = rewriter.visit_expr(func)
+    return mod
