@@ -65,14 +65,14 @@ def test_dynamic_rows_compile_to_one_kernel_with_symbolic_grid():
 
 def test_symbolic_row_width_dispatches_between_variants_at_run_time():
     ex, src, _ = build_case(next(c for c in CASES if c["id"] == "sm-dyn-bxn-f16"))
-    assert tvm_ext.cuda_kernels(ex) == ["softmax_kernel", "softmax_v0_kernel", "softmax_v1_kernel"]
+    assert tvm_ext.cuda_kernels(ex) == ["softmax_v0_kernel", "softmax_v1_kernel", "softmax_v2_kernel"]
     host = ex.as_text()
     calls = re.findall(r"call  (softmax\w*) ", host)
-    assert calls == ["softmax_v0", "softmax_v1", "softmax"], "tried narrowest first, the unbounded kernel last"
+    assert calls == ["softmax_v0", "softmax_v1", "softmax_v2"], "tried narrowest first, the unbounded kernel last"
     assert host.count("If    ") == 2, "each bounded variant guarded by one host-side branch"
     v0 = re.search(r"softmax_v0_kernel\([^)]*\) \{(.*?)\n\}", src, re.S).group(1)
     assert "threadIdx.y" in v0 and "__shfl_down_sync" in v0  # warp_row: a warp per row, rows along y
-    assert re.search(r"__launch_bounds__\(1024\) softmax_kernel", src)  # block_row for unbounded widths
+    assert re.search(r"__launch_bounds__\(1024\) softmax_v2_kernel", src)  # block_row for unbounded widths
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

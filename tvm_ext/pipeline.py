@@ -19,10 +19,11 @@ from tvm.target import Target
 
 import schedules
 from schedules.analysis import is_reduce_subgraph
+from schedules.grid_reduce import ZEROED_INPUTS
 
 from .legalize import LEGALIZE
 from .records import Database
-from .variants import dispatch_variants
+from .variants import rewrite_call_sites
 
 PIPELINE = "tvm_ext"
 SCHEDULED = "tirx.is_scheduled"
@@ -42,7 +43,7 @@ class ScheduleReductions:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         target = Target.current()
-        dispatch, builder = {}, relax.BlockBuilder(mod)
+        dispatch, replaced, builder = {}, [], relax.BlockBuilder(mod)
         for gv, func in list(mod.functions_items()):
             if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False) or not is_reduce_subgraph(func):
                 continue
@@ -57,13 +58,19 @@ class ScheduleReductions:
             if not kernels or any(sch is None for _, sch in kernels):
                 warnings.warn(f"tvm_ext: {gv.name_hint}: {why}; falling back to TVM's default schedule", stacklevel=2)
                 continue
-            *guarded, (_, fallback) = kernels
-            builder.update_func(gv, fallback.mod["main"].with_attr(SCHEDULED, True))
-            if guarded:  # symbolic dims: one kernel per class of sizes, chosen at run time
-                dispatch[gv.name_hint] = [
-                    (cond, builder.add_func(sch.mod["main"].with_attr(SCHEDULED, True), f"{gv.name_hint}_v{i}"))
-                    for i, (cond, sch) in enumerate(guarded)] + [(None, gv)]
-        return dispatch_variants(builder.get(), dispatch)
+            scheduled = [(cond, sch.mod["main"].with_attr(SCHEDULED, True)) for cond, sch in kernels]
+            if len(scheduled) == 1 and ZEROED_INPUTS not in (scheduled[0][1].attrs or {}):
+                builder.update_func(gv, scheduled[0][1])
+                continue
+            # several kernels (symbolic dims: one per class of sizes), or a new signature: new
+            # functions, and the call sites rewritten to reach them
+            dispatch[gv.name_hint] = [(cond, builder.add_func(f, f"{gv.name_hint}_v{i}"))
+                                      for i, (cond, f) in enumerate(scheduled)]
+            replaced.append(gv)
+        mod = rewrite_call_sites(builder.get(), dispatch)
+        for gv in replaced:
+            del mod[gv]
+        return mod
 
 
 def fusion_passes() -> list:

@@ -1,18 +1,23 @@
-"""Run-time choice between kernel variants of one fused function.
+"""Call-site rewrites for scheduled kernels: run-time variant choice and zero-filled state.
 
 When a fused function has symbolic dims, the best kernel depends on their values (a 128-wide
 softmax row wants a warp, a 16k-wide one a block). The dispatcher then returns several variants,
-each with a condition over the function's symbolic dims; this module adds them to the module and
-rewrites every call site into a chain of `if`s on the run-time shape, evaluated on the host by
-the VM: the choice costs a compare, not a kernel.
+each with a condition over the function's symbolic dims; every call site becomes a chain of
+`if`s on the run-time shape, evaluated on the host by the VM: the choice costs a compare, not a
+kernel. A kernel that keeps state between launches (grid_reduce's counters) lists it in the
+PrimFunc attr ZEROED_INPUTS; its call sites pass zero-filled constants, which the kernel leaves
+zeroed again when it finishes.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import tvm
 import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from schedules.grid_reduce import ZEROED_INPUTS
 
 CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
@@ -67,16 +72,19 @@ class _DispatchCallSites(PyExprMutator):
                                               relax.SeqExpr([], self._call(call, gv)), expr))
         return expr.body
 
-    @staticmethod
-    def _call(call, gv):
-        return relax.Call(call.op, [gv] + list(call.args[1:]), call.attrs, call.ty_args)
+    def _call(self, call, gv):
+        args = list(call.args[1].fields) if isinstance(call.args[1], relax.Tuple) else [call.args[1]]
+        zeroed = (self.mod_[gv].attrs or {}).get(ZEROED_INPUTS, [])
+        args += [relax.const(np.zeros([int(d) for d in shape], str(dtype))) for shape, dtype in zeroed]
+        return relax.Call(call.op, [gv, relax.Tuple(args)] + list(call.args[2:]), call.attrs, call.ty_args)
 
 
-def dispatch_variants(mod: tvm.IRModule, table: dict) -> tvm.IRModule:
-    """Rewrite the call sites of each function named in `table` into a run-time choice.
+def rewrite_call_sites(mod: tvm.IRModule, table: dict) -> tvm.IRModule:
+    """Rewrite the call sites of each function named in `table`.
 
     `table`: function name -> [(condition, variant GlobalVar), ..., (None, fallback GlobalVar)],
-    conditions over the original PrimFunc's symbolic dims, tried in order.
+    conditions over the original PrimFunc's symbolic dims, tried in order; a single entry just
+    adds the zero-filled inputs its kernel asks for.
     """
     if not table:
         return mod

@@ -1,0 +1,200 @@
+"""GPU strategy for few rows with a huge reduce axis (row sums of 64 rows, full sums, channel means).
+
+One kernel launch: `blocks_per_row` blocks share each row; every block reduces its chunk and stores
+the partial, then takes a ticket from a per-row counter (`__threadfence` + `atomicAdd`); the block
+that draws the last ticket combines the partials, runs the epilogue and resets the counter to zero
+for the next launch. The counter and the partials are two extra inputs that the pipeline passes as
+zero-filled constants (`ZEROED_INPUTS`), so no launch is spent on clearing them.
+
+Cross-thread reductions inside a block are TVM's (shuffles + shared memory); the inter-block
+protocol is written here as s_tir, because no schedule primitive expresses it. The reduce
+expression and the epilogue are spliced in from the fused function itself.
+"""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+from tvm import s_tir, tirx
+
+from .analysis import ROW, ReducePattern, const_int
+from .device import Device
+from .rows import vector_lanes
+
+NAME = "grid_reduce"
+ZEROED_INPUTS = "tvm_ext.zeroed_inputs"  # PrimFunc attr: [(shape, dtype)] of inputs to pass zero-filled
+MIN_ROW = 16384  # shorter rows are cheaper one block each
+THREADS = 512
+_COMBINERS = {tirx.Add: "+", tirx.Max: "max", tirx.Min: "min"}
+
+
+def _reduction(pattern: ReducePattern):
+    """(block, combiner op, per-element value, identity) of the single reduction, or None."""
+    if len(pattern.reductions) != 1 or pattern.num_spatial != 1:
+        return None
+    block = pattern.sch.get(pattern.reductions[0].block_rv)
+    update = block.body
+    if not isinstance(update, tirx.BufferStore) or type(update.value) not in _COMBINERS or block.init is None:
+        return None
+    a, b = update.value.a, update.value.b
+    is_acc = lambda e: isinstance(e, tvm.ir.TensorLoad) and e.source.same_as(update.buffer)  # noqa: E731
+    value = b if is_acc(a) else a if is_acc(b) else None
+    return None if value is None else (block, type(update.value), value, block.init.value)
+
+
+def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
+    rows, width = const_int(pattern.row_count), const_int(pattern.reduce_extent)
+    if not device.is_gpu or pattern.layout != ROW or rows is None or width is None or _reduction(pattern) is None:
+        return None
+    resident = device.sm_count * (2048 // THREADS)  # blocks the GPU holds at once
+    if width < MIN_ROW or rows >= resident:  # enough rows to fill the GPU one block each
+        return None
+    return {"strategy": NAME, "blocks_per_row": max(2, -(-2 * resident // rows)),  # about two waves
+            "threads": THREADS, "vec": vector_lanes(pattern)}
+
+
+def _buffer_decl(buf) -> str:
+    dims = [f"T.int64({int(d)})" for d in buf.shape]
+    return f'T.Buffer(({", ".join(dims)}{"," if len(dims) == 1 else ""}), "{buf.ty.dtype}")'
+
+
+def _template(func, rows, blocks, threads, vec, chunk, width, acc_dtype, combine, identity) -> str:
+    """The kernel as TVMScript, with call_extern placeholders for the value and the epilogue."""
+    n_in = len(func.params) - 1
+    params = [f"{p.name}: {_buffer_decl(p)}" for p in func.params[:n_in]] + [
+        f'gr_counter: T.Buffer((T.int64({rows}),), "int32")',
+        f'gr_partials: T.Buffer((T.int64({rows * blocks}),), "{acc_dtype}")',
+        f"{func.params[-1].name}: {_buffer_decl(func.params[-1])}"]
+    i64 = lambda v: f"T.int64({v})"  # noqa: E731
+    # conservative: the spliced value may read any input anywhere
+    whole_inputs = ", ".join(f"{p.name}[{', '.join(f'0:{int(d)}' for d in p.shape)}]" for p in func.params[:n_in])
+    G, B = i64(blocks), i64(rows * blocks)
+    acc = lambda x, y: f"{x} + {y}" if combine == "+" else f"T.{combine}({x}, {y})"  # noqa: E731
+    k = f"vb % {G} * {i64(chunk)} + vk"
+
+    # partials of other blocks: read past L1, which may hold a stale line from an earlier block
+    mine = f'T.call_extern("{acc_dtype}", "__ldcg", T.address_of(gr_partials[vb // {G} * {G} + vj]))'
+    return f'''
+@T.prim_func(s_tir=True)
+def grid_reduce({", ".join(params)}):
+    gr_part = T.sblock_alloc_buffer(({B},), "{acc_dtype}", scope="shared")
+    gr_last = T.sblock_alloc_buffer(({B},), "int32", scope="shared")
+    gr_tot = T.sblock_alloc_buffer(({i64(rows)},), "{acc_dtype}", scope="shared")
+    for bx in T.thread_binding({B}, thread="blockIdx.x"):
+        for tx in T.thread_binding({i64(threads)}, thread="threadIdx.x"):
+            for o in range({i64(chunk // (threads * vec))}):
+                for v in T.unroll({i64(vec)}):
+                    with T.sblock("gr_chunk"):
+                        vb = T.axis.spatial({B}, bx)
+                        vk = T.axis.reduce({i64(chunk)}, (o * {i64(threads)} + tx) * {i64(vec)} + v)
+                        T.reads({whole_inputs})
+                        T.writes(gr_part[vb])
+                        with T.init():
+                            gr_part[vb] = {identity}
+                        gr_part[vb] = {acc("gr_part[vb]", f'T.call_extern("{acc_dtype}", "gr_value", vb // {G}, {k})')}
+        for tx in T.thread_binding({i64(threads)}, thread="threadIdx.x"):
+            with T.sblock("gr_arrive"):
+                vb = T.axis.spatial({B}, bx)
+                vt = T.axis.spatial({i64(threads)}, tx)
+                T.reads(gr_part[vb], gr_counter[vb // {G}])
+                T.writes(gr_partials[vb], gr_counter[vb // {G}], gr_last[vb])
+                if vt == T.int64(0):
+                    gr_partials[vb] = gr_part[vb]
+                    T.evaluate(T.call_extern("void", "__threadfence"))
+                    ticket = T.call_extern("int32", "atomicAdd", T.address_of(gr_counter[vb // {G}]), 1)
+                    gr_last[vb] = T.Cast("int32", ticket == {blocks - 1})
+        for j in range({i64(-(-blocks // threads))}):
+            for tx in T.thread_binding({i64(threads)}, thread="threadIdx.x"):
+                with T.sblock("gr_total"):
+                    vb = T.axis.spatial({B}, bx)
+                    vj = T.axis.reduce({i64(-(-blocks // threads) * threads)}, j * {i64(threads)} + tx)
+                    T.where(j * {i64(threads)} + tx < {G})
+                    T.reads(gr_last[vb], gr_partials[vb // {G} * {G} + vj])
+                    T.writes(gr_tot[vb // {G}])
+                    with T.init():
+                        gr_tot[vb // {G}] = {identity}
+                    gr_tot[vb // {G}] = {acc(f"gr_tot[vb // {G}]", f"T.if_then_else(gr_last[vb] == 1, {mine}, {identity})")}
+        for tx in T.thread_binding({i64(threads)}, thread="threadIdx.x"):
+            with T.sblock("gr_finish"):
+                vb = T.axis.spatial({B}, bx)
+                vt = T.axis.spatial({i64(threads)}, tx)
+                T.reads(gr_last[vb], gr_tot[vb // {G}])
+                T.writes(gr_counter[vb // {G}])
+                last: T.int32 = gr_last[vb]
+                if vt == T.int64(0) and last == 1:
+                    T.evaluate(T.call_extern("int32", "gr_finish", vb // {G}, gr_tot[vb // {G}]))
+                    gr_counter[vb // {G}] = 0
+'''
+
+
+def _map_vars(expr, mapping):
+    def var(v):
+        return next((new for old, new in mapping.items() if old.same_as(v)), v)
+
+    def load(e):
+        return tirx.BufferLoad(var(e.source), e.indices)
+
+    return tvm_ffi.structural_map(expr, [(tirx.Var, var), (tvm.ir.TensorLoad, load)])
+
+
+def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule | None:
+    found = _reduction(pattern)
+    rows, width = const_int(pattern.row_count), const_int(pattern.reduce_extent)
+    if not device.is_gpu or pattern.layout != ROW or found is None or rows is None or width is None:
+        return None
+    if pattern.epilogue is not None and pattern.epilogue.dom_kind() != "S":
+        return None  # an epilogue over every element needs a grid-wide barrier, not a last block
+    block, combiner, value, identity = found
+    blocks, threads, vec = int(knobs["blocks_per_row"]), int(knobs["threads"]), int(knobs.get("vec", 1))
+    step = threads * vec
+    chunk = -(-(-(-width // blocks)) // step) * step  # a row's share per block, whole steps
+    blocks = -(-width // chunk)
+    func = pattern.sch.mod["main"]
+    acc_dtype = str(block.writes[0].source.ty.dtype)
+    combine = _COMBINERS[combiner]
+    src = _template(func, rows, blocks, threads, vec, chunk, width, acc_dtype, combine, identity.script())
+    grid = tvm.script.from_source(src)
+
+    originals = list(func.params[:-1]) + [func.params[-1]]
+    fresh = list(grid.params[:-3]) + [grid.params[-1]]
+    buffers = dict(zip(originals, fresh))
+    row_var, *reduce_vars = [iv.var for iv in block.iter_vars]
+    extents = [int(iv.dom.extent) for iv in block.iter_vars[1:]]
+    epilogue = pattern.epilogue and pattern.sch.get(pattern.epilogue.block_rv)
+
+    def splice_value(call):
+        r, k = call.args[1], call.args[2]
+        mapping, rest = {row_var: r}, k
+        for var, extent in reversed(list(zip(reduce_vars[1:], extents[1:]))):
+            mapping[var], rest = rest % extent, rest // extent
+        mapping[reduce_vars[0]] = rest
+        spliced = _map_vars(value, {**buffers, **mapping})
+        # the last block's chunk may run past the row: a predicate (T.where) on the block would
+        # stop TVM's cross-thread lowering (it mentions blockIdx), so mask the value instead
+        return spliced if chunk * blocks == width else tirx.if_then_else(k < width, spliced, identity)
+
+    def splice_finish(stmt):
+        r, total = stmt.value.args[1], stmt.value.args[2]
+        target = epilogue if epilogue is not None else block
+        store = target.body
+        row = target.iter_vars[0].var
+        reduced = block.writes[0].source
+        result = total if epilogue is None else tvm_ffi.structural_map(
+            store.value, (tvm.ir.TensorLoad, lambda e: total if e.source.same_as(reduced) else e))
+        return tirx.BufferStore(buffers.get(store.buffer, store.buffer),
+                                _map_vars(result, {**buffers, row: r}),
+                                [_map_vars(i, {row: r}) for i in store.indices])
+
+    def placeholder(name):
+        return lambda e: isinstance(e.op, tvm.ir.Op) and e.op.name == "tirx.call_extern" and e.args[0].value == name
+
+    is_value, is_finish = placeholder("gr_value"), placeholder("gr_finish")
+    body = tvm_ffi.structural_map(grid.body, [
+        (tvm.ir.Call, lambda e: splice_value(e) if is_value(e) else e),
+        (tirx.Evaluate, lambda s: splice_finish(s) if isinstance(s.value, tvm.ir.Call) and is_finish(s.value) else s),
+    ])
+    zeroed = [([rows], "int32"), ([rows * blocks], acc_dtype)]
+    grid = grid.with_body(body).with_attr(ZEROED_INPUTS, zeroed)
+    for key, attr in func.attrs.items() if func.attrs else []:
+        grid = grid.with_attr(key, attr)
+    return s_tir.Schedule(grid)

@@ -1,0 +1,59 @@
+"""The heuristic's choices for a table of shapes, and what each choice looks like in CUDA."""
+
+import re
+
+import pytest
+
+import schedules
+import tvm_ext
+from bench.suite import relax_module
+from conftest import CUDA_TARGET
+from tvm_ext.pipeline import fused_reduce_functions
+
+TARGET = tvm_ext.parse_target(CUDA_TARGET)
+
+
+def plans(op, shape, dtype):
+    return {name: schedules.plan(f, TARGET) for name, f in fused_reduce_functions(relax_module(op, shape, dtype), TARGET).items()}
+
+
+@pytest.mark.parametrize("op, shape, dtype, expected", [
+    ("layer_norm", [16384, 384], "float16", {"strategy": "warp_row", "group": 32, "cache": True}),
+    ("softmax", [49152, 1024], "float16", {"strategy": "warp_row", "group": 32, "cache": True}),
+    ("layer_norm", [8192, 4096], "float16", {"strategy": "block_row", "threads": 128, "cache": True}),
+    ("softmax", [2048, 32768], "float16", {"strategy": "block_row", "threads": 1024, "cache": True}),
+    ("softmax", [256, 262144], "float32", {"strategy": "block_row", "cache": False}),  # 1 MiB rows
+    ("row_sum", [4096, 1000], "float32", {"strategy": "warp_row"}),
+    ("row_sum", [64, 131072], "float32", {"strategy": "grid_reduce", "blocks_per_row": 17}),
+    ("full_sum", [268435456], "float32", {"strategy": "grid_reduce", "blocks_per_row": 1056}),
+    ("col_sum", [131072, 1024], "float32", {"strategy": "column_reduce"}),
+])
+def test_heuristic_choice(op, shape, dtype, expected):
+    (plan,) = plans(op, shape, dtype).values()
+    (condition, knobs), = plan
+    assert condition is None and {k: knobs[k] for k in expected} == expected
+
+
+def test_batch_statistics_grid_reduce_the_mean_and_row_reduce_the_variance():
+    chosen = {name: [k["strategy"] for _, k in plan] for name, plan in plans("bn_stats", [128, 256, 56, 56], "float32").items()}
+    assert chosen == {"mean": ["grid_reduce"], "variance": ["block_row"]}  # two-pass variance: one block per channel
+
+
+def test_symbolic_width_plans_three_classes():
+    (plan,) = plans("softmax", [4096, "s"], "float16").values()
+    assert [str(cond) for cond, _ in plan] == ["s <= T.int64(1024)", "s <= T.int64(16384)", "None"]
+    assert [k["strategy"] for _, k in plan] == ["warp_row", "block_row", "block_row"]
+
+
+def test_grid_reduce_is_one_kernel_with_an_atomic_ticket_and_zeroed_state():
+    ex = tvm_ext.build(relax_module("full_sum", [268435456], "float32"), CUDA_TARGET)
+    src = tvm_ext.cuda_source(ex)
+    assert tvm_ext.cuda_kernels(ex) == ["sum_v0_kernel"]
+    body = re.search(r"sum_v0_kernel\([^)]*\) \{(.*?)\n\}", src, re.S).group(1)
+    fence, ticket = body.index("__threadfence();"), body.index("atomicAdd((&(gr_counter_ptr[")
+    assert fence < ticket, "partials must be visible before the ticket is drawn"
+    assert "__ldcg((&(gr_partials_ptr[" in body, "the last block reads other blocks' partials past L1"
+    assert re.search(r"gr_counter_ptr\[0\] = 0;", body), "the last block leaves the counter zeroed"
+    assert "__shfl_down_sync" in body
+    host = ex.as_text()
+    assert host.count("call  sum_v0 ") == 1 and "c[" in host.split("call  sum_v0 ")[1].splitlines()[0]
