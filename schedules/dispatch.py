@@ -18,11 +18,12 @@ from .device import device_of
 STRATEGIES = {s.NAME: s for s in (warp_row, grid_reduce, block_row, column_reduce, cpu_rows)}
 
 
-# A symbolic row width gets one kernel per width class, chosen at run time (tvm_ext.variants);
-# each class bounds the width so that its shared-memory stage fits (see rows.SMEM_CACHE_LIMIT).
+# A symbolic row width gets one kernel per width class, chosen at run time (tvm_ext.variants).
+# No class stages its rows: TVM sizes a symbolic shared-memory stage by the whole tensor, not the
+# block's rows (seen on the H200: "Failed to set the allowed dynamic shared memory size to 1048576").
 DYNAMIC_ROW_VARIANTS = [
-    (1024, {"strategy": "warp_row", "group": 32, "rows_per_block": 4, "vec": 1, "cache": True}),
-    (16384, {"strategy": "block_row", "threads": 256, "vec": 1, "cache": True}),
+    (1024, {"strategy": "warp_row", "group": 32, "rows_per_block": 4, "vec": 1, "cache": False}),
+    (16384, {"strategy": "block_row", "threads": 256, "vec": 1, "cache": False}),
     (None, {"strategy": "block_row", "threads": 1024, "vec": 1, "cache": False}),
 ]
 

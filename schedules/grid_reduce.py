@@ -29,9 +29,15 @@ _COMBINERS = {tirx.Add: "+", tirx.Max: "max", tirx.Min: "min"}
 
 
 def _reduction(pattern: ReducePattern):
-    """(block, combiner op, per-element value, identity) of the single reduction, or None."""
+    """(block, combiner op, per-element value, identity) of the single reduction, or None.
+
+    None as well when an epilogue works on every element (RMSNorm's scale): that needs a
+    grid-wide barrier between the reduction and the epilogue, not a last block.
+    """
     if len(pattern.reductions) != 1 or pattern.num_spatial != 1:
         return None
+    if pattern.epilogue is not None and pattern.epilogue.dom_kind() != "S":
+        return None  # an epilogue over every element needs a grid-wide barrier, not a last block
     block = pattern.sch.get(pattern.reductions[0].block_rv)
     update = block.body
     if not isinstance(update, tirx.BufferStore) or type(update.value) not in _COMBINERS or block.init is None:
@@ -142,8 +148,6 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
     rows, width = const_int(pattern.row_count), const_int(pattern.reduce_extent)
     if not device.is_gpu or pattern.layout != ROW or found is None or rows is None or width is None:
         return None
-    if pattern.epilogue is not None and pattern.epilogue.dom_kind() != "S":
-        return None  # an epilogue over every element needs a grid-wide barrier, not a last block
     block, combiner, value, identity = found
     blocks, threads, vec = int(knobs["blocks_per_row"]), int(knobs["threads"]), int(knobs.get("vec", 1))
     step = threads * vec

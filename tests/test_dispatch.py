@@ -57,3 +57,9 @@ def test_grid_reduce_is_one_kernel_with_an_atomic_ticket_and_zeroed_state():
     assert "__shfl_down_sync" in body
     host = ex.as_text()
     assert host.count("call  sum_v0 ") == 1 and "c[" in host.split("call  sum_v0 ")[1].splitlines()[0]
+
+
+def test_grid_reduce_leaves_full_row_epilogues_to_block_row():
+    # a 37-row RMSNorm over 32k: few rows, but the scale needs every row's total first
+    (plan,) = plans("rms_norm", [37, 32768], "bfloat16").values()
+    assert [k["strategy"] for _, k in plan] == ["block_row"]
