@@ -22,7 +22,7 @@ def plans(op, shape, dtype):
     ("softmax", [49152, 1024], "float16", {"strategy": "warp_row", "group": 32, "cache": True}),
     ("layer_norm", [8192, 4096], "float16", {"strategy": "block_row", "threads": 128, "cache": True}),
     ("softmax", [2048, 32768], "float16", {"strategy": "block_row", "threads": 1024, "cache": True}),
-    ("softmax", [256, 262144], "float32", {"strategy": "block_row", "cache": False}),  # 1 MiB rows
+    ("softmax", [256, 262144], "float32", {"strategy": "block_row", "threads": 512, "cache": False}),  # 1 MiB rows
     ("row_sum", [4096, 1000], "float32", {"strategy": "warp_row"}),
     ("row_sum", [64, 131072], "float32", {"strategy": "grid_reduce", "blocks_per_row": 17}),
     ("full_sum", [268435456], "float32", {"strategy": "grid_reduce", "blocks_per_row": 1056}),
