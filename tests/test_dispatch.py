@@ -26,7 +26,7 @@ def plans(op, shape, dtype):
     ("row_sum", [4096, 1000], "float32", {"strategy": "warp_row"}),
     ("row_sum", [64, 131072], "float32", {"strategy": "grid_reduce", "blocks_per_row": 17}),
     ("full_sum", [268435456], "float32", {"strategy": "grid_reduce", "blocks_per_row": 1056}),
-    ("col_sum", [131072, 1024], "float32", {"strategy": "column_reduce"}),
+    ("col_sum", [131072, 1024], "float32", {"strategy": "column_reduce", "cols": 16, "lanes": 64}),
 ])
 def test_heuristic_choice(op, shape, dtype, expected):
     (plan,) = plans(op, shape, dtype).values()
