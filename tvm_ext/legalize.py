@@ -6,6 +6,8 @@ from functools import reduce
 
 from tvm import relax, tirx, topi
 
+from . import welford
+
 
 def _softmax_float32_accumulate(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     """TVM's softmax sums exp() in the input dtype; in fp16 a 32k-wide row loses ~3 digits.
@@ -44,4 +46,15 @@ def _layer_norm_float32(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     return bb.call_te(layer_norm, *call.args, primfunc_name_hint="layer_norm")
 
 
-LEGALIZE = {"relax.nn.softmax": _softmax_float32_accumulate, "relax.nn.layer_norm": _layer_norm_float32}
+VARIANCE_ALGORITHMS = ("welford", "two_pass")
+
+
+def legalizations(variance: str = "welford") -> dict:
+    """Op name -> legalization for the pipeline; `variance`: "welford" (one pass) or TVM's "two_pass"."""
+    if variance not in VARIANCE_ALGORITHMS:
+        raise ValueError(f"unknown variance algorithm {variance!r}: expected one of {VARIANCE_ALGORITHMS}")
+    table = {"relax.nn.softmax": _softmax_float32_accumulate, "relax.nn.layer_norm": _layer_norm_float32}
+    if variance == "welford":
+        welford.register()
+        table["relax.variance"] = welford.legalize_variance
+    return table

@@ -21,13 +21,13 @@ import schedules
 from schedules.analysis import is_reduce_subgraph
 from schedules.grid_reduce import ZEROED_INPUTS
 
-from .legalize import LEGALIZE
+from .legalize import legalizations
 from .records import Database
 from .variants import rewrite_call_sites
 
 PIPELINE = "tvm_ext"
 SCHEDULED = "tirx.is_scheduled"
-OPTIONS = ()  # build options this pipeline understands (the later passes add theirs here)
+OPTIONS = ("variance",)  # build options this pipeline understands (the later passes add theirs here)
 
 
 @tvm.transform.module_pass(opt_level=0, name="TVMExtScheduleReductions")
@@ -73,10 +73,10 @@ class ScheduleReductions:
         return mod
 
 
-def fusion_passes() -> list:
+def fusion_passes(**options) -> list:
     """Legalize and fuse: what every fused PrimFunc the schedules see has been through."""
     return [
-        relax.transform.LegalizeOps(customize_legalize_map=LEGALIZE),
+        relax.transform.LegalizeOps(customize_legalize_map=legalizations(**options)),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
@@ -84,10 +84,10 @@ def fusion_passes() -> list:
     ]
 
 
-def fused_reduce_functions(mod: tvm.IRModule, target) -> dict:
+def fused_reduce_functions(mod: tvm.IRModule, target, **options) -> dict:
     """{name: PrimFunc} of the fused reduce subgraphs the pipeline will schedule (the tuner's tasks)."""
     with target:
-        fused = tvm.transform.Sequential(relax.pipeline.library_dispatch_passes(target) + fusion_passes())(mod)
+        fused = tvm.transform.Sequential(relax.pipeline.library_dispatch_passes(target) + fusion_passes(**options))(mod)
     return {gv.name_hint: f for gv, f in fused.functions_items()
             if isinstance(f, tirx.PrimFunc) and is_reduce_subgraph(f)}
 
@@ -101,7 +101,8 @@ def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **opt
     """The pass `tvm_ext.build` runs (also `relax.get_pipeline("tvm_ext", database=...)`)."""
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        raise ValueError(f"unknown tvm_ext build option(s) {unknown}; known: {list(OPTIONS) or 'none yet'}")
+        raise ValueError(f"unknown tvm_ext build option(s) {unknown}; known: {list(OPTIONS)}")
+    legalizations(**options)  # a bad option value fails here, before any work
     if database is not None and not isinstance(database, Database):
         database = Database.load(database)
 
@@ -110,7 +111,7 @@ def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **opt
         target = Target.current()
         if target is None:
             raise ValueError("the tvm_ext pipeline needs a target: run it inside `with target:` or via tvm_ext.build")
-        passes = relax.pipeline.library_dispatch_passes(target) + fusion_passes() + [
+        passes = relax.pipeline.library_dispatch_passes(target) + fusion_passes(**options) + [
             # relax.pipeline.dataflow_lower_passes(llvm) raises in 0.27; these are its passes, with
             # scheduling moved after ToNonDataflow so that kernel variants can be chosen by an `if`
             relax.transform.RewriteDataflowReshape(),

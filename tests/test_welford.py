@@ -1,0 +1,47 @@
+"""Welford variance (the default) against TVM's two-pass legalization, on data far from zero."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.runtime.vm import VirtualMachine
+
+import tvm_ext
+from conftest import CUDA_TARGET
+
+
+def variance_module(rows, width):
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([rows, width], "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.variance(x, axis=[1]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def relative_error(algorithm, xs):
+    ex = tvm_ext.build(variance_module(*xs.shape), "llvm", variance=algorithm)
+    out = VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(xs)).numpy()
+    ref = xs.astype("float64").var(1)
+    return float(np.max(np.abs(out - ref) / ref))
+
+
+def test_welford_stays_accurate_where_the_two_pass_sum_breaks(rng):
+    # mean 1e4, std 1, 262144 wide: TVM's float32 two-pass sum loses the mean entirely on the CPU
+    xs = (rng.standard_normal((2, 262144)) + 1e4).astype("float32")
+    welford, two_pass = relative_error("welford", xs), relative_error("two_pass", xs)
+    assert welford < 2e-3
+    assert two_pass > 1.0, "the comparison must be able to fail: two-pass is known to break here"
+
+
+def test_welford_variance_is_one_cuda_reduction_with_a_three_value_state():
+    src = tvm_ext.cuda_source(tvm_ext.build(variance_module(256, 401408), CUDA_TARGET))
+    two = tvm_ext.cuda_source(tvm_ext.build(variance_module(256, 401408), CUDA_TARGET, variance="two_pass"))
+    assert src.count("__shfl_down_sync") == 3 * two.count("__shfl_down_sync") // 2, \
+        "one cross-thread reduction of (count, mean, M2) in place of two of one value"
+
+
+def test_unknown_variance_algorithm_is_named():
+    with pytest.raises(ValueError, match="unknown variance algorithm 'three_pass'"):
+        tvm_ext.build(variance_module(2, 8), "llvm", variance="three_pass")
