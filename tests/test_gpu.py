@@ -1,7 +1,10 @@
 """On a real GPU: every suite op built by tvm_ext for "cuda", run, and compared with float64 NumPy."""
 
+import numpy as np
 import pytest
 import tvm
+from tvm import relax
+from tvm.runtime.vm import VirtualMachine
 
 import tvm_ext
 from bench.suite import relax_module
@@ -34,3 +37,18 @@ def test_symbolic_width_variants_on_gpu(width, rng):
     executable = tvm_ext.build(relax_module("softmax", ["b", "s"], "float16"), "cuda")
     outs, refs = run_case(executable, tvm.cuda(0), "softmax", [3, width], "float16", rng)
     assert_close(outs, refs, "float16")
+
+
+@pytest.mark.parametrize("width", [1000, 21952, 401408])
+def test_welford_variance_on_gpu(width, rng):
+    # the cross-thread combine must see each component's old value (state order matters in TVM)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([5, width], "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.variance(x, axis=[1]))
+        bb.emit_func_output(out)
+    xs = (rng.standard_normal((5, width)) * 2 + 0.5).astype("float32")
+    got = VirtualMachine(tvm_ext.build(bb.get(), "cuda"), tvm.cuda(0))["main"](tvm.runtime.tensor(xs, tvm.cuda(0)))
+    ref = xs.astype("float64").var(1)
+    assert float(np.max(np.abs(got.numpy() - ref) / ref)) < 1e-5
