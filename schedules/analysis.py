@@ -28,6 +28,7 @@ class ReducePattern:
     sch: s_tir.Schedule
     reductions: list[SBlockInfo]  # in program order
     epilogue: SBlockInfo | None  # the last, injective block; None if the last block reduces
+    row_outputs: list[SBlockInfo]  # further one-value-per-row outputs before it (mean beside variance)
     num_spatial: int  # leading spatial axes shared by all blocks
     num_reduce: int  # trailing reduce axes of every reduction
     layout: str  # ROW or COLUMN
@@ -36,7 +37,21 @@ class ReducePattern:
 
     @property
     def blocks(self) -> list[SBlockInfo]:
-        return self.reductions + ([self.epilogue] if self.epilogue else [])
+        return self.reductions + self.row_outputs + ([self.epilogue] if self.epilogue else [])
+
+    def merge_outputs(self) -> bool:
+        """Put the per-row outputs under the last block's row loop (one loop nest to schedule).
+
+        False when that block works on every element: its loops then differ from theirs.
+        """
+        if not self.row_outputs:
+            return True
+        last = self.blocks[-1].block_rv
+        if len(self.sch.get_loops(last)) != self.num_spatial:
+            return False
+        outputs = [info.block_rv for info in self.row_outputs] + [last]
+        self.sch.merge(*[self.sch.fuse(*self.sch.get_loops(b)) for b in outputs])
+        return True
 
     def input_buffers(self) -> list[tirx.Buffer]:
         """Function parameters read by the reductions: the tensors worth caching on chip."""
@@ -123,15 +138,16 @@ def match(func: tirx.PrimFunc) -> ReducePattern | None:
     num_reduce = len(kind) - num_spatial
     if num_reduce == 0 or kind != "S" * num_spatial + "R" * num_reduce:
         return None
-    *head, last = infos
-    if last.is_reduction():
-        head, epilogue = infos, None
-    else:
-        epilogue = last
-        if not last.is_injective() or last.dom_kind() not in ("S" * num_spatial, "S" * len(kind)):
-            return None
+    count = max(i for i, info in enumerate(infos) if info.is_reduction()) + 1
+    head, tail = infos[:count], infos[count:]
     if any(info.dom_kind() != kind for info in head):
         return None
+    row_kind = "S" * num_spatial
+    if any(not info.is_injective() or info.dom_kind() not in (row_kind, "S" * len(kind)) for info in tail):
+        return None
+    *row_outputs, epilogue = tail or [None]
+    if any(info.dom_kind() != row_kind for info in row_outputs):
+        return None  # only the last block may work on every element
     layout = _layout_of(sch, head[0])
     if layout is None:
         return None
@@ -140,6 +156,7 @@ def match(func: tirx.PrimFunc) -> ReducePattern | None:
         sch=sch,
         reductions=head,
         epilogue=epilogue,
+        row_outputs=row_outputs,
         num_spatial=num_spatial,
         num_reduce=num_reduce,
         layout=layout,

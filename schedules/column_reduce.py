@@ -31,8 +31,8 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
         return None
     last = pattern.blocks[-1]
     loops = sch.get_loops(last.block_rv)
-    if pattern.epilogue is not None and len(loops) > ns:
-        return None  # an element-wise epilogue across a column reduction is not served yet
+    if (pattern.epilogue is not None and len(loops) > ns) or pattern.row_outputs:
+        return None  # element-wise epilogues and several outputs across columns: not served yet
     block_x, col = sch.split(sch.fuse(*loops[:ns]), [None, cols])
     sch.bind(block_x, "blockIdx.x")
     sch.bind(col, "threadIdx.x")

@@ -18,9 +18,11 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
     if device.is_gpu:
         return None
     sch = pattern.sch
+    if not pattern.merge_outputs():
+        return None
     loops = sch.get_loops(pattern.blocks[-1].block_rv)
     row = sch.fuse(*loops[: pattern.num_spatial])
     sch.parallel(row)
-    for info in reversed(pattern.blocks[:-1]):
+    for info in reversed(pattern.reductions if pattern.epilogue is not None else pattern.reductions[:-1]):
         sch.compute_at(info.block_rv, row, preserve_unit_loops=True)
     return sch

@@ -34,7 +34,7 @@ def _reduction(pattern: ReducePattern):
     None as well when an epilogue works on every element (RMSNorm's scale): that needs a
     grid-wide barrier between the reduction and the epilogue, not a last block.
     """
-    if len(pattern.reductions) != 1 or pattern.num_spatial != 1:
+    if len(pattern.reductions) != 1 or pattern.num_spatial != 1 or pattern.row_outputs:
         return None
     if pattern.epilogue is not None and pattern.epilogue.dom_kind() != "S":
         return None  # an epilogue over every element needs a grid-wide barrier, not a last block

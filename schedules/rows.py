@@ -84,6 +84,9 @@ def _wide_stage_reads(sch: s_tir.Schedule, reduction, outer, staged) -> None:
 def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec: int, cache: bool):
     sch, ns = pattern.sch, pattern.num_spatial
     last = pattern.blocks[-1]
+    outputs = [info.block_rv for info in pattern.row_outputs] + [last.block_rv]
+    if not pattern.merge_outputs():
+        return None
     loops = sch.get_loops(last.block_rv)
     block, row = sch.split(sch.fuse(*loops[:ns]), [None, rows_per_block])
     sch.bind(block, "blockIdx.x")
@@ -91,11 +94,12 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
     if len(loops) > ns:  # a reduction, or an epilogue over every element of the row
         lanes = min(vec, MAX_EPILOGUE_LANES) if pattern.epilogue is not None else 1
         _spread(sch, loops[ns:], threads, lanes, vectorize=True)
-    else:  # one value per row: lane 0 writes it
-        _spread(sch, [sch.add_unit_loop(last.block_rv)], threads, 1, vectorize=True)
+    else:  # one value per row (per output): lane 0 writes it
+        for output in outputs:
+            _spread(sch, [sch.add_unit_loop(output)], threads, 1, vectorize=True)
 
     reductions = []
-    for info in reversed(pattern.blocks[:-1]):
+    for info in reversed(pattern.reductions[:-1] if pattern.epilogue is None else pattern.reductions):
         for i, _ in enumerate(sch.get(info.block_rv).writes):
             sch.set_scope(info.block_rv, i, "local" if rows_per_block > 1 else "shared")
         sch.compute_at(info.block_rv, row, preserve_unit_loops=True)

@@ -3,6 +3,7 @@
 import re
 
 import pytest
+from tvm import relax
 
 import schedules
 import tvm_ext
@@ -34,9 +35,20 @@ def test_heuristic_choice(op, shape, dtype, expected):
     assert condition is None and {k: knobs[k] for k in expected} == expected
 
 
-def test_batch_statistics_grid_reduce_the_mean_and_row_reduce_the_variance():
+def test_batch_statistics_are_one_welford_reduction_with_two_outputs():
     chosen = {name: [k["strategy"] for _, k in plan] for name, plan in plans("bn_stats", [128, 256, 56, 56], "float32").items()}
-    assert chosen == {"mean": ["grid_reduce"], "variance": ["block_row"]}  # two-pass variance: one block per channel
+    assert chosen == {"mean_variance": ["block_row"]}  # one block per channel; x read once for both
+
+
+def test_a_lone_mean_still_takes_the_grid():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([128, 256, 56, 56], "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.mean(x, axis=[0, 2, 3]))
+        bb.emit_func_output(out)
+    (plan,) = [schedules.plan(f, TARGET) for f in fused_reduce_functions(bb.get(), TARGET).values()]
+    assert [k["strategy"] for _, k in plan] == ["grid_reduce"]
 
 
 def test_symbolic_width_plans_three_classes():

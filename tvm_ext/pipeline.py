@@ -21,6 +21,7 @@ import schedules
 from schedules.analysis import is_reduce_subgraph
 from schedules.grid_reduce import ZEROED_INPUTS
 
+from . import welford
 from .legalize import legalizations
 from .records import Database
 from .variants import rewrite_call_sites
@@ -75,7 +76,8 @@ class ScheduleReductions:
 
 def fusion_passes(**options) -> list:
     """Legalize and fuse: what every fused PrimFunc the schedules see has been through."""
-    return [
+    statistics = [welford.pair_mean_with_variance] if options.get("variance", "welford") == "welford" else []
+    return statistics + [
         relax.transform.LegalizeOps(customize_legalize_map=legalizations(**options)),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),

@@ -20,6 +20,7 @@ from functools import reduce
 import tvm
 import tvm_ffi
 from tvm import relax, te, tirx, topi
+from tvm.relax.expr_functor import PyExprMutator, mutator
 
 _COMBINER, _IDENTITY = "tvm_ext.welford_combine", "tvm_ext.welford_identity"
 
@@ -53,9 +54,8 @@ _welford = te.comm_reducer(lambda a, b: tuple(combine(a, b)), lambda t0, t1, t2:
                            name="welford")
 
 
-def variance_te(x, axes: list[int], keepdims: bool):
-    """Population variance of `x` over `axes` in float32, in one Welford reduction."""
-    axes = sorted(a % len(x.shape) for a in axes)
+def _welford_state(x, axes: list[int]):
+    """(M2, mean, count) of `x` over `axes`, float32, from one Welford reduction."""
     kept = [i for i in range(len(x.shape)) if i not in axes]
     ks = [te.reduce_axis((0, x.shape[a]), name=f"k{a}") for a in axes]
 
@@ -66,18 +66,89 @@ def variance_te(x, axes: list[int], keepdims: bool):
         return x[tuple(index)]
 
     one, zero = tirx.const(1, "float32"), tirx.const(0, "float32")
-    m2, _, _ = te.compute(
+    m2, mean, _ = te.compute(
         [x.shape[i] for i in kept],
         lambda *i: _welford((zero, at(i, ks).astype("float32"), one), axis=ks),
         name="welford")
-    count = reduce(lambda a, b: a * b, [x.shape[a] for a in axes]).astype("float32")
+    return m2, mean, reduce(lambda a, b: a * b, [x.shape[a] for a in axes]).astype("float32")
+
+
+def _keep_dims(t, x, axes):
+    return topi.reshape(t, [1 if i in axes else x.shape[i] for i in range(len(x.shape))])
+
+
+def variance_te(x, axes: list[int], keepdims: bool):
+    """Population variance of `x` over `axes`, in one Welford reduction."""
+    axes = sorted(a % len(x.shape) for a in axes)
+    m2, _, count = _welford_state(x, axes)
     var = te.compute(m2.shape, lambda *i: (m2(*i) / count).astype(x.dtype), name="variance")
-    if keepdims:
-        var = topi.reshape(var, [1 if i in axes else x.shape[i] for i in range(len(x.shape))])
-    return var
+    return _keep_dims(var, x, axes) if keepdims else var
+
+
+def mean_variance_te(x, axes: list[int], keepdims: bool):
+    """(mean, population variance) of `x` over `axes` from one Welford reduction: one read of x."""
+    axes = sorted(a % len(x.shape) for a in axes)
+    m2, mean, count = _welford_state(x, axes)
+    mean_out = te.compute(m2.shape, lambda *i: mean(*i).astype(x.dtype), name="mean")
+    var_out = te.compute(m2.shape, lambda *i: (m2(*i) / count).astype(x.dtype), name="variance")
+    return [_keep_dims(t, x, axes) for t in (mean_out, var_out)] if keepdims else [mean_out, var_out]
+
+
+def _axes(call: relax.Call) -> list[int]:
+    rank = len(call.args[0].ty.shape.values)
+    return list(range(rank)) if call.attrs.axis is None else sorted(int(a) % rank for a in call.attrs.axis)
 
 
 def legalize_variance(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
-    x = call.args[0]
-    axes = list(range(len(x.ty.shape.values))) if call.attrs.axis is None else [int(a) for a in call.attrs.axis]
-    return bb.call_te(variance_te, x, axes, bool(call.attrs.keepdims), primfunc_name_hint="variance")
+    return bb.call_te(variance_te, call.args[0], _axes(call), bool(call.attrs.keepdims),
+                      primfunc_name_hint="variance")
+
+
+@mutator
+class _PairMeanWithVariance(PyExprMutator):
+    """mean(x) and variance(x) over the same axes become one Welford call with both outputs."""
+
+    def __init__(self, mod, pairs):
+        super().__init__(mod)
+        self.pairs, self.fused = pairs, {}
+
+    def visit_call_(self, call):
+        call = self.visit_expr_post_order(call)
+        key = _statistic_key(call)
+        if key is None or key[1:] not in self.pairs:
+            return call
+        if key[1:] not in self.fused:
+            self.fused[key[1:]] = self.builder_.emit(self.builder_.call_te(
+                mean_variance_te, call.args[0], _axes(call), bool(call.attrs.keepdims),
+                primfunc_name_hint="mean_variance"))
+        return relax.TupleGetItem(self.fused[key[1:]], 0 if key[0] == "relax.mean" else 1)
+
+
+def _statistic_key(expr):
+    """("relax.mean"|"relax.variance", x, axes, keepdims) for those calls on a variable, else None."""
+    if not (isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op)
+            and expr.op.name in ("relax.mean", "relax.variance") and isinstance(expr.args[0], relax.Var)):
+        return None
+    return expr.op.name, expr.args[0], tuple(_axes(expr)), bool(expr.attrs.keepdims)
+
+
+@tvm.transform.module_pass(opt_level=0, name="TVMExtPairMeanWithVariance")
+def pair_mean_with_variance(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Batch statistics in one kernel: x is read once for both its mean and its variance."""
+    for gv, func in list(mod.functions_items()):
+        if not isinstance(func, relax.Function):
+            continue
+        seen: dict = {}
+        tvm_ffi.structural_walk(func.body, (relax.Call, lambda c: _record(seen, c)), order="pre")
+        pairs = {rest for rest, ops in seen.items() if ops == {"relax.mean", "relax.variance"}}
+        if pairs:
+            mutator = _PairMeanWithVariance(mod, pairs)
+            mutator.builder_.update_func(gv, mutator.visit_expr(func))
+            mod = mutator.builder_.get()
+    return mod
+
+
+def _record(seen: dict, call) -> None:
+    key = _statistic_key(call)
+    if key is not None:
+        seen.setdefault(key[1:], set()).add(key[0])
