@@ -2,7 +2,7 @@
 
 For rows from about 2k elements up: the block's lanes split the row, the block all-reduce is warp
 shuffles plus one shared-memory round. Rows that do not fit shared memory are read again from
-global memory by each pass of the chain (which mostly hits L2: one row per block in flight).
+global memory by each pass of the chain (from L2 only while the rows in flight fit in it).
 """
 
 from __future__ import annotations
@@ -37,6 +37,6 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict):
     threads = int(knobs["threads"])
     if not device.is_gpu or pattern.layout != ROW or threads > device.max_threads or threads % device.warp:
         return None
-    if knobs.get("cache") and const_int(pattern.reduce_extent) is None and not knobs.get("max_extent"):
-        return None  # an unbounded symbolic row cannot be staged
+    if knobs.get("cache") and const_int(pattern.reduce_extent) is None:
+        return None  # TVM sizes a symbolic stage by the whole tensor (see dispatch.DYNAMIC_ROW_VARIANTS)
     return schedule_rows(pattern, threads, 1, int(knobs.get("vec", 1)), bool(knobs.get("cache")))

@@ -1,7 +1,7 @@
 """Knobs in, Schedule out: pick a strategy for a fused reduce PrimFunc.
 
 With knobs from a tuning record the named strategy is applied as recorded; without, each
-strategy proposes heuristic knobs for the pattern and the first that applies wins. A strategy
+strategy in turn may propose heuristic knobs for the pattern; the first proposal wins. A strategy
 that does not fit returns None, like TVM's dlight rules, and the caller falls back to TVM.
 """
 

@@ -82,6 +82,7 @@ def _wide_stage_reads(sch: s_tir.Schedule, reduction, outer, staged) -> None:
 
 
 def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec: int, cache: bool):
+    """The chain of `pattern` with rows along blockIdx.x/threadIdx.y, lanes along threadIdx.x."""
     sch, ns = pattern.sch, pattern.num_spatial
     last = pattern.blocks[-1]
     outputs = [info.block_rv for info in pattern.row_outputs] + [last.block_rv]

@@ -1,10 +1,11 @@
 """The `tvm_ext` Relax pipeline: legalize, fuse, schedule fused reductions with our templates.
 
-Order: library dispatch -> LegalizeOps (with our legalizations) -> AnnotateTIROpPattern ->
-FoldConstant -> FuseOps -> FuseTIR -> leave dataflow form -> our schedules for every fused PrimFunc
-with a reduction (several kernels and a run-time `if` where dims are symbolic) -> TVM's dlight
-rules for the rest (GPU) -> CallTIRRewrite -> VM finalisation. The TIR passes
-of `tvm_ext.passes` run later, inside `tvm.compile`, under the TIR pipeline of the same name.
+Order: library dispatch -> mean/variance pairing (Welford) -> LegalizeOps (with our
+legalizations) -> AnnotateTIROpPattern -> FoldConstant -> FuseOps -> FuseTIR -> leave dataflow
+form -> our schedules for every fused PrimFunc with a reduction (several kernels and a run-time
+`if` where dims are symbolic; zero-filled state inputs for grid reductions) -> TVM's dlight rules
+for the rest (GPU) -> CallTIRRewrite -> VM finalisation. The TIR passes of `tvm_ext.passes` run
+later, inside `tvm.compile`, under the TIR pipeline of the same name.
 """
 
 from __future__ import annotations
