@@ -52,3 +52,22 @@ def test_welford_variance_on_gpu(width, rng):
     got = VirtualMachine(tvm_ext.build(bb.get(), "cuda"), tvm.cuda(0))["main"](tvm.runtime.tensor(xs, tvm.cuda(0)))
     ref = xs.astype("float64").var(1)
     assert float(np.max(np.abs(got.numpy() - ref) / ref)) < 1e-5
+
+
+@pytest.mark.parametrize("op, dtype", [("layer_norm", "float16"), ("rms_norm", "bfloat16"), ("softmax", "float16"),
+                                       ("row_sum", "float32")])
+@pytest.mark.parametrize("width", [96, 1000, 50257])  # not a multiple of any pack or warp width
+def test_odd_widths_on_gpu(op, dtype, width, rng):
+    shape = [37, width]
+    executable = tvm_ext.build(relax_module(op, shape, dtype), "cuda")
+    outs, refs = run_case(executable, tvm.cuda(0), op, shape, dtype, rng)
+    assert_close(outs, refs, dtype)
+
+
+def test_grid_reduce_counter_is_left_zeroed_for_the_next_call(rng):
+    # a wrong reset would make the second call's last block fire early (or never)
+    vm = VirtualMachine(tvm_ext.build(relax_module("row_sum", [3, 200003], "float32"), "cuda"), tvm.cuda(0))
+    for _ in range(3):
+        xs = rng.standard_normal((3, 200003)).astype("float32")
+        got = vm["main"](tvm.runtime.tensor(xs, tvm.cuda(0))).numpy()
+        np.testing.assert_allclose(got, xs.astype("float64").sum(1), rtol=1e-4, atol=1e-2)
