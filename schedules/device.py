@@ -18,10 +18,15 @@ class Device:
     warp: int
     smem_bytes: int  # static shared memory a block may use
     sm_count: int
+    threads_per_sm: int = 2048  # resident threads per SM (sm_70 .. sm_90)
 
     @property
     def is_gpu(self) -> bool:
         return self.kind == "cuda"
+
+    def resident_blocks(self, threads: int) -> int:
+        """Blocks of `threads` one SM holds at once, counting threads only (32 blocks at most)."""
+        return max(1, min(32, self.threads_per_sm // threads))
 
 
 def _attr(target: Target, name: str, default: int) -> int:

@@ -24,7 +24,7 @@ from .rows import vector_lanes
 NAME = "grid_reduce"
 ZEROED_INPUTS = "tvm_ext.zeroed_inputs"  # PrimFunc attr: [(shape, dtype)] of inputs to pass zero-filled
 MIN_ROW = 16384  # shorter rows are cheaper one block each
-THREADS = 512
+MAX_THREADS = 1024
 _COMBINERS = {tirx.Add: "+", tirx.Max: "max", tirx.Min: "min"}
 
 
@@ -48,15 +48,32 @@ def _reduction(pattern: ReducePattern):
     return None if value is None else (block, type(update.value), value, block.init.value)
 
 
+def joint_allocation(device: Device, rows: int) -> tuple[int, int, float]:
+    """CINN's thread-block joint allocation: (threads, blocks per row, share of SM slots used).
+
+    The grid is a multiple of the row count, so a whole number of blocks per row rarely fills the
+    GPU's resident-block slots; shrinking the block by F = 1..4 multiplies the slots, and the F
+    whose single wave fills the most of them wins (the larger block on a tie).
+    """
+    best = None
+    for scale in (1, 2, 3, 4):
+        threads = max(device.warp, MAX_THREADS // scale // device.warp * device.warp)
+        slots = device.sm_count * device.resident_blocks(threads)
+        per_row = max(1, slots // rows)
+        used = rows * per_row / (slots * -(-rows * per_row // slots))
+        if best is None or used > best[2] + 1e-9:
+            best = (threads, per_row, used)
+    return best
+
+
 def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
     rows, width = const_int(pattern.row_count), const_int(pattern.reduce_extent)
     if not device.is_gpu or pattern.layout != ROW or rows is None or width is None or _reduction(pattern) is None:
         return None
-    resident = device.sm_count * (2048 // THREADS)  # blocks the GPU holds at once
-    if width < MIN_ROW or rows >= resident:  # enough rows to fill the GPU one block each
-        return None
-    return {"strategy": NAME, "blocks_per_row": max(2, -(-2 * resident // rows)),  # about two waves
-            "threads": THREADS, "vec": vector_lanes(pattern)}
+    if width < MIN_ROW or rows >= device.sm_count * device.resident_blocks(MAX_THREADS // 2):
+        return None  # enough rows to fill the GPU one block each
+    threads, per_row, _ = joint_allocation(device, rows)
+    return {"strategy": NAME, "blocks_per_row": max(2, per_row), "threads": threads, "vec": vector_lanes(pattern)}
 
 
 def _buffer_decl(buf) -> str:

@@ -9,6 +9,8 @@ import schedules
 import tvm_ext
 from bench.suite import relax_module
 from conftest import CUDA_TARGET
+from schedules.device import Device
+from schedules.grid_reduce import joint_allocation
 from tvm_ext.pipeline import fused_reduce_functions
 
 TARGET = tvm_ext.parse_target(CUDA_TARGET)
@@ -25,8 +27,8 @@ def plans(op, shape, dtype):
     ("softmax", [2048, 32768], "float16", {"strategy": "block_row", "threads": 1024, "cache": True}),
     ("softmax", [256, 262144], "float32", {"strategy": "block_row", "threads": 512, "cache": False}),  # 1 MiB rows
     ("row_sum", [4096, 1000], "float32", {"strategy": "warp_row"}),
-    ("row_sum", [64, 131072], "float32", {"strategy": "grid_reduce", "blocks_per_row": 17}),
-    ("full_sum", [268435456], "float32", {"strategy": "grid_reduce", "blocks_per_row": 1056}),
+    ("row_sum", [64, 131072], "float32", {"strategy": "grid_reduce", "blocks_per_row": 4, "threads": 1024}),
+    ("full_sum", [268435456], "float32", {"strategy": "grid_reduce", "blocks_per_row": 264, "threads": 1024}),
     ("col_sum", [131072, 1024], "float32", {"strategy": "column_reduce", "cols": 16, "lanes": 64}),
 ])
 def test_heuristic_choice(op, shape, dtype, expected):
@@ -75,3 +77,13 @@ def test_grid_reduce_leaves_full_row_epilogues_to_block_row():
     # a 37-row RMSNorm over 32k: few rows, but the scale needs every row's total first
     (plan,) = plans("rms_norm", [37, 32768], "bfloat16").values()
     assert [k["strategy"] for _, k in plan] == ["block_row"]
+
+
+def test_joint_allocation_reproduces_cinns_example():
+    # [64, 131072] on 80 SMs holding 1024 threads each: 1024-thread blocks leave SMs idle
+    # (64 rows x 1 block); 256 threads x 5 blocks per row = 320 blocks fill all 320 slots
+    device = Device("cuda", 1024, 32, 49152, 80, threads_per_sm=1024)
+    assert joint_allocation(device, 64) == (256, 5, 1.0)
+    h200 = Device("cuda", 1024, 32, 49152, 132)
+    threads, per_row, used = joint_allocation(h200, 64)
+    assert (threads, per_row) == (1024, 4) and used > 0.96  # 256 of 264 slots, one wave
