@@ -9,6 +9,7 @@ from tvm.runtime.vm import VirtualMachine
 import tvm_ext
 from bench.suite import relax_module
 from helpers import CASES, assert_close, concrete_shape, instantiate, run_case
+from patterns import PATTERNS, check, module
 
 pytestmark = pytest.mark.gpu
 
@@ -71,3 +72,8 @@ def test_grid_reduce_counter_is_left_zeroed_for_the_next_call(rng):
         xs = rng.standard_normal((3, 200003)).astype("float32")
         got = vm["main"](tvm.runtime.tensor(xs, tvm.cuda(0))).numpy()
         np.testing.assert_allclose(got, xs.astype("float64").sum(1), rtol=1e-4, atol=1e-2)
+
+
+@pytest.mark.parametrize("name", PATTERNS)
+def test_pattern_on_gpu(name, rng):
+    check(name, VirtualMachine(tvm_ext.build(module(name), "cuda"), tvm.cuda(0)), tvm.cuda(0), rng)
