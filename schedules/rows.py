@@ -119,7 +119,11 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
         sch.bind(sch.fuse(staged_row, *columns[:-1]) if len(columns) > 1 else staged_row, "threadIdx.y")
         _spread(sch, columns[-1:], threads, vec, vectorize=True)
         staged_buffers.append(sch.get(stage).writes[0].source)
-    if vec > 1:
+    width = const_int(pattern.reduce_extent)
+    if vec > 1 and width is not None and width % (threads * vec) == 0:
+        # only without a tail chunk: under the tail's predicate TVM puts the barrier that guards
+        # the register copy inside `if (threadIdx.x < ...)`, and the block deadlocks (seen on the
+        # H200 with log_softmax over 3000 columns)
         for reduction, outer in reductions:
             _wide_stage_reads(sch, reduction, outer, staged_buffers)
     return sch

@@ -23,9 +23,9 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
     if n is None or size > MAX_ROW_BYTES:
         return None
     vec = vector_lanes(pattern)
-    group = device.warp  # the widest group that gives every lane at least one vector
-    while group > 2 and group * vec > n:
-        group //= 2
+    fits = [g for g in (32, 16, 8, 4, 2) if g <= device.warp and g * vec <= n]  # every lane gets a vector
+    exact = [g for g in fits if g >= 8 and n % (g * vec) == 0]  # no tail chunk (see rows.py)
+    group = (exact or fits or [2])[0]
     rows = BLOCK_THREADS // group
     return {"strategy": NAME, "group": group, "rows_per_block": rows, "vec": vec,
             "cache": worth_caching(pattern, rows)}

@@ -11,6 +11,7 @@ from tvm.support import nvcc
 import tvm_ext
 from bench.suite import relax_module
 from conftest import CUDA_TARGET
+from barriers import divergent_barriers
 from helpers import CASES
 from schedules.dispatch import DYNAMIC_ROW_VARIANTS
 
@@ -83,3 +84,16 @@ def test_generated_source_compiles_with_nvcc(case):
     with tvm_ext.parse_target(CUDA_TARGET):
         cubin = nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")
     assert bytes(cubin[:4]) == b"\x7fELF"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_no_barrier_under_a_thread_dependent_branch(case):
+    assert divergent_barriers(build_case(case)[1]) == []
+
+
+@pytest.mark.parametrize("op, dtype", [("layer_norm", "float16"), ("rms_norm", "bfloat16"), ("softmax", "float16"),
+                                       ("softmax", "float32"), ("row_sum", "float32")])
+@pytest.mark.parametrize("width", [96, 1000, 3000, 50257])  # tails of every kind
+def test_odd_widths_have_no_divergent_barrier(op, dtype, width):
+    src = tvm_ext.cuda_source(tvm_ext.build(relax_module(op, [37, width], dtype), CUDA_TARGET))
+    assert divergent_barriers(src) == []

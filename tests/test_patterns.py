@@ -8,6 +8,7 @@ from tvm.runtime.vm import VirtualMachine
 
 import tvm_ext
 from conftest import CUDA_TARGET
+from barriers import divergent_barriers
 from patterns import PATTERNS, check, module
 
 
@@ -22,3 +23,10 @@ def test_pattern_gets_our_cuda_schedule(name):
         warnings.simplefilter("error")  # no fallback to TVM's rules
         ex = tvm_ext.build(module(name), CUDA_TARGET)
     assert tvm_ext.cuda_kernels(ex)
+
+
+@pytest.mark.parametrize("name", PATTERNS)
+def test_no_barrier_under_a_thread_dependent_branch(name):
+    # such a barrier deadlocks the block: log_softmax over 3000 columns hung the GPU this way
+    src = tvm_ext.cuda_source(tvm_ext.build(module(name), CUDA_TARGET))
+    assert divergent_barriers(src) == []
