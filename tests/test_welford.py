@@ -1,5 +1,7 @@
 """Welford variance (the default) against TVM's two-pass legalization, on data far from zero."""
 
+import warnings
+
 import numpy as np
 import pytest
 import tvm
@@ -35,6 +37,15 @@ def test_welford_stays_accurate_where_the_two_pass_sum_breaks(rng):
     assert two_pass > 1.0, "the comparison must be able to fail: two-pass is known to break here"
 
 
+@pytest.mark.parametrize("width", [1024, 32768])
+def test_one_pass_cancels_far_from_zero_and_welford_does_not(width, rng):
+    near = (rng.standard_normal((2, width))).astype("float32")
+    far = (rng.standard_normal((2, width)) + 1e4).astype("float32")
+    assert relative_error("one_pass", near) < 1e-4  # fine near zero: the option computes what it says
+    assert relative_error("one_pass", far) > 1.0  # E[x^2]-E[x]^2 at mean 1e4: no digit left
+    assert relative_error("welford", far) < 2e-3
+
+
 def test_welford_variance_is_one_cuda_reduction_with_a_three_value_state():
     src = tvm_ext.cuda_source(tvm_ext.build(variance_module(256, 401408), CUDA_TARGET))
     two = tvm_ext.cuda_source(tvm_ext.build(variance_module(256, 401408), CUDA_TARGET, variance="two_pass"))
@@ -43,5 +54,13 @@ def test_welford_variance_is_one_cuda_reduction_with_a_three_value_state():
 
 
 def test_unknown_variance_algorithm_is_named():
-    with pytest.raises(ValueError, match="unknown variance algorithm 'three_pass'"):
+    with pytest.raises(ValueError, match="unknown variance algorithm 'three_pass'.*one_pass"):
         tvm_ext.build(variance_module(2, 8), "llvm", variance="three_pass")
+
+
+@pytest.mark.parametrize("algorithm", ["welford", "one_pass"])
+def test_each_one_pass_form_gets_our_cuda_schedule(algorithm):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a reducer TVM cannot match would fall back with a warning
+        src = tvm_ext.cuda_source(tvm_ext.build(variance_module(64, 8192), CUDA_TARGET, variance=algorithm))
+    assert "__shfl_down_sync" in src

@@ -46,15 +46,20 @@ def _layer_norm_float32(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     return bb.call_te(layer_norm, *call.args, primfunc_name_hint="layer_norm")
 
 
-VARIANCE_ALGORITHMS = ("welford", "two_pass")
+VARIANCE_ALGORITHMS = ("welford", "two_pass", "one_pass")
 
 
 def legalizations(variance: str = "welford") -> dict:
-    """Op name -> legalization for the pipeline; `variance`: "welford" (one pass) or TVM's "two_pass"."""
+    """Op name -> legalization for the pipeline.
+
+    `variance`: "welford" (one pass, stable), TVM's own "two_pass", or the naive "one_pass"
+    E[x^2]-E[x]^2 (for comparison only: it cancels catastrophically when the mean is large).
+    """
     if variance not in VARIANCE_ALGORITHMS:
         raise ValueError(f"unknown variance algorithm {variance!r}: expected one of {VARIANCE_ALGORITHMS}")
     table = {"relax.nn.softmax": _softmax_float32_accumulate, "relax.nn.layer_norm": _layer_norm_float32}
-    if variance == "welford":
+    if variance != "two_pass":
         welford.register()
-        table["relax.variance"] = welford.legalize_variance
+        table["relax.variance"] = {"welford": welford.legalize_variance,
+                                   "one_pass": welford.legalize_one_pass_variance}[variance]
     return table

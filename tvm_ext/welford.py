@@ -23,6 +23,7 @@ from tvm import relax, te, tirx, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 _COMBINER, _IDENTITY = "tvm_ext.welford_combine", "tvm_ext.welford_identity"
+_PAIR_SUM, _PAIR_ZERO = "tvm_ext.pair_sum", "tvm_ext.pair_zero"
 
 
 def combine(a, b):
@@ -37,40 +38,49 @@ def identity(*dtypes):
     return [tirx.const(0, str(d)) for d in dtypes]
 
 
-def register() -> None:
-    """Teach the schedule's reducer matcher the Welford combiner (idempotent).
+def _pair_sum(a, b):
+    return [a[0] + b[0], a[1] + b[1]]
 
-    The callbacks are global functions so that they outlive the interpreter's shutdown.
+
+def register() -> None:
+    """Teach the schedule's reducer matcher the Welford and (sum, sum of squares) combiners.
+
+    Idempotent. The callbacks are global functions so that they outlive the interpreter's shutdown.
     """
     if tvm.get_global_func(_COMBINER, allow_missing=True) is not None:
         return
     tvm_ffi.register_global_func(_COMBINER, lambda x, y: combine(x, y))
     tvm_ffi.register_global_func(_IDENTITY, lambda v: identity(*[e.ty for e in v]))
-    tvm.get_global_func("s_tir.schedule.RegisterReducer")(3, tvm.get_global_func(_COMBINER),
-                                                          tvm.get_global_func(_IDENTITY))
+    tvm_ffi.register_global_func(_PAIR_SUM, lambda x, y: _pair_sum(x, y))
+    tvm_ffi.register_global_func(_PAIR_ZERO, lambda v: identity(*[e.ty for e in v]))
+    register_reducer = tvm.get_global_func("s_tir.schedule.RegisterReducer")
+    register_reducer(3, tvm.get_global_func(_COMBINER), tvm.get_global_func(_IDENTITY))
+    register_reducer(2, tvm.get_global_func(_PAIR_SUM), tvm.get_global_func(_PAIR_ZERO))
 
 
 _welford = te.comm_reducer(lambda a, b: tuple(combine(a, b)), lambda t0, t1, t2: tuple(identity(t0, t1, t2)),
                            name="welford")
+_sums = te.comm_reducer(lambda a, b: tuple(_pair_sum(a, b)), lambda t0, t1: tuple(identity(t0, t1)), name="sums")
+
+
+def _reduction_space(x, axes: list[int]):
+    """(kept shape, reduce axes, element(spatial index) as float32, element count as float32)."""
+    ks = [te.reduce_axis((0, x.shape[a]), name=f"k{a}") for a in axes]
+
+    def element(spatial):
+        s, r = iter(spatial), iter(ks)
+        return x[tuple(next(r) if i in axes else next(s) for i in range(len(x.shape)))].astype("float32")
+
+    kept = [x.shape[i] for i in range(len(x.shape)) if i not in axes]
+    return kept, ks, element, reduce(lambda a, b: a * b, [x.shape[a] for a in axes]).astype("float32")
 
 
 def _welford_state(x, axes: list[int]):
     """(M2, mean, count) of `x` over `axes`, float32, from one Welford reduction."""
-    kept = [i for i in range(len(x.shape)) if i not in axes]
-    ks = [te.reduce_axis((0, x.shape[a]), name=f"k{a}") for a in axes]
-
-    def at(spatial, reduced):
-        index, s, r = [], iter(spatial), iter(reduced)
-        for i in range(len(x.shape)):
-            index.append(next(r) if i in axes else next(s))
-        return x[tuple(index)]
-
+    kept, ks, element, count = _reduction_space(x, axes)
     one, zero = tirx.const(1, "float32"), tirx.const(0, "float32")
-    m2, mean, _ = te.compute(
-        [x.shape[i] for i in kept],
-        lambda *i: _welford((zero, at(i, ks).astype("float32"), one), axis=ks),
-        name="welford")
-    return m2, mean, reduce(lambda a, b: a * b, [x.shape[a] for a in axes]).astype("float32")
+    m2, mean, _ = te.compute(kept, lambda *i: _welford((zero, element(i), one), axis=ks), name="welford")
+    return m2, mean, count
 
 
 def _keep_dims(t, x, axes):
@@ -82,6 +92,20 @@ def variance_te(x, axes: list[int], keepdims: bool):
     axes = sorted(a % len(x.shape) for a in axes)
     m2, _, count = _welford_state(x, axes)
     var = te.compute(m2.shape, lambda *i: (m2(*i) / count).astype(x.dtype), name="variance")
+    return _keep_dims(var, x, axes) if keepdims else var
+
+
+def one_pass_variance_te(x, axes: list[int], keepdims: bool):
+    """E[x^2] - E[x]^2 from one reduction of (sum, sum of squares): fast, and wrong far from zero.
+
+    Kept for comparison (`variance="one_pass"`): the cancellation loses every digit once the mean
+    is large against the spread, and can even go negative.
+    """
+    axes = sorted(a % len(x.shape) for a in axes)
+    kept, ks, element, count = _reduction_space(x, axes)
+    total, squares = te.compute(kept, lambda *i: _sums((element(i), element(i) * element(i)), axis=ks), name="sums")
+    var = te.compute(total.shape, lambda *i: (squares(*i) / count - (total(*i) / count) * (total(*i) / count))
+                     .astype(x.dtype), name="variance")
     return _keep_dims(var, x, axes) if keepdims else var
 
 
@@ -101,6 +125,11 @@ def _axes(call: relax.Call) -> list[int]:
 
 def legalize_variance(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     return bb.call_te(variance_te, call.args[0], _axes(call), bool(call.attrs.keepdims),
+                      primfunc_name_hint="variance")
+
+
+def legalize_one_pass_variance(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    return bb.call_te(one_pass_variance_te, call.args[0], _axes(call), bool(call.attrs.keepdims),
                       primfunc_name_hint="variance")
 
 
