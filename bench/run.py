@@ -98,6 +98,10 @@ def run_case(case: dict, database, log) -> list[dict]:
             log(f"  {name:14s} {failed[name]}")
     impls = {name: tvm_callable(ex) for name, ex in built.items()}
     impls["torch_eager"] = torch_fn(op)
+    # a fresh dynamo cache per case: the suite's lambdas share code objects across cases, and past
+    # dynamo's recompile limit (8) torch.compile silently runs eager (seen in this harness until
+    # 2026-11-21's last run: ln-dyn from n=77 on timed eager under the torch_compile label)
+    torch._dynamo.reset()  # pylint: disable=protected-access
     impls["torch_compile"] = torch.compile(torch_fn(op), dynamic=False)
     log(f"  built in {time.time() - t0:.1f}s")
 
@@ -141,6 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--database", default=None, help="tuning log: adds an ours_tuned row per case")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
+    torch._dynamo.config.recompile_limit = 64  # dynamic cases compile once per listed size
     if not torch.cuda.is_available() or not tvm.cuda(0).exist:
         print("bench.run needs a CUDA GPU visible to both PyTorch and TVM", file=sys.stderr)
         return 2
