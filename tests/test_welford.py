@@ -1,5 +1,7 @@
 """Welford variance (the default) against TVM's two-pass legalization, on data far from zero."""
 
+import re
+import shutil
 import warnings
 
 import numpy as np
@@ -7,6 +9,7 @@ import pytest
 import tvm
 from tvm import relax
 from tvm.runtime.vm import VirtualMachine
+from tvm.support import nvcc
 
 import tvm_ext
 from conftest import CUDA_TARGET
@@ -64,3 +67,13 @@ def test_each_one_pass_form_gets_our_cuda_schedule(algorithm):
         warnings.simplefilter("error")  # a reducer TVM cannot match would fall back with a warning
         src = tvm_ext.cuda_source(tvm_ext.build(variance_module(64, 8192), CUDA_TARGET, variance=algorithm))
     assert "__shfl_down_sync" in src
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_welford_update_uses_one_fast_reciprocal_not_divisions():
+    target = tvm_ext.parse_target(CUDA_TARGET)
+    src = tvm_ext.cuda_source(tvm_ext.build(variance_module(64, 8192), target))
+    with target:
+        ptx = bytes(nvcc.compile_cuda(src, target_format="ptx", compiler="nvcc")).decode()
+    reciprocals, divisions = len(re.findall(r"\brcp\.approx", ptx)), len(re.findall(r"\bdiv\.", ptx))
+    assert reciprocals > 0 and divisions <= 1, (reciprocals, divisions)  # the one division: M2 / count
