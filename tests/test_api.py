@@ -7,7 +7,8 @@ import warnings
 import numpy as np
 import pytest
 import tvm
-from tvm import relax, tirx
+from tvm import relax, s_tir, tirx
+from tvm.script import tirx as T
 from tvm.runtime.vm import VirtualMachine
 
 import tvm_ext
@@ -148,3 +149,31 @@ def test_matmuls_are_left_to_tvm_without_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert tvm_ext.cuda_kernels(tvm_ext.build(bb.get(), CUDA_TARGET))
+
+
+@T.prim_func(s_tir=True)
+def _unlowerable(a: T.Buffer((128,), "float32"), b: T.Buffer((1,), "float32")):
+    # a branch on shared memory other threads write: TVM's barrier planner rejects it
+    flag = T.sblock_alloc_buffer((1,), "int32", scope="shared")
+    for tx in T.thread_binding(128, thread="threadIdx.x"):
+        with T.sblock("set"):
+            v = T.axis.spatial(128, tx)
+            T.reads()
+            T.writes(flag[0])
+            if v == 0:
+                flag[0] = 1
+        with T.sblock("use"):
+            v = T.axis.spatial(128, tx)
+            T.reads(flag[0], a[v])
+            T.writes(b[0])
+            if v == 0 and flag[0] == 1:
+                b[0] = a[v]
+
+
+def test_schedule_that_fails_in_lowering_falls_back(monkeypatch):
+    import schedules  # noqa: PLC0415
+
+    monkeypatch.setattr(schedules, "schedule", lambda func, target, knobs=None: s_tir.Schedule(_unlowerable))
+    with pytest.warns(UserWarning, match=r"tvm_ext: softmax: InternalError: .*falling back to TVM's default schedule"):
+        ex = tvm_ext.build(relax_module("softmax", [8, 300], "float32"), CUDA_TARGET)
+    assert tvm_ext.cuda_kernels(ex) == ["softmax_kernel"]  # TVM's rules built the original function

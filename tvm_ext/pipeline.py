@@ -16,6 +16,7 @@ import warnings
 import tvm
 from tvm import relax, tirx
 from tvm.s_tir import dlight as dl
+from tvm.s_tir import pipeline as s_tir_pipeline
 from tvm.target import Target
 
 import schedules
@@ -53,8 +54,11 @@ class ScheduleReductions:
             plan = [(None, knobs)] if knobs else schedules.plan(func, target)
             try:
                 kernels = [(cond, schedules.schedule(func, target, k)) for cond, k in plan]
+                for _, sch in kernels if "gpu" in target.keys else []:  # CPU schedules are plain loops
+                    if sch is not None:
+                        _check_lowers(sch.mod["main"], gv.name_hint, target)
             except Exception as err:  # a template bug must cost speed, never the build
-                kernels, why = [], f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                kernels, why = [], f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err) else ''}"
             else:
                 why = "no tvm_ext schedule matches it"
             if not kernels or any(sch is None for _, sch in kernels):
@@ -73,6 +77,16 @@ class ScheduleReductions:
         for gv in replaced:
             del mod[gv]
         return mod
+
+
+def _check_lowers(func: tirx.PrimFunc, name: str, target: Target) -> None:
+    """Run TVM's TIR lowering (no codegen) on one scheduled function; raises what it would raise.
+
+    Some schedules fail only there (a reducer TVM cannot match, a barrier it cannot place); caught
+    here, they fall back like any other refusal instead of failing the whole build.
+    """
+    lower, _, _ = s_tir_pipeline.default_s_tir_pipeline()
+    lower(tvm.IRModule({name: func.with_attr("global_symbol", name).with_attr("target", target)}))
 
 
 def fusion_passes(**options) -> list:
