@@ -29,8 +29,10 @@ def markdown(result: dict) -> str:
             f"device copy {result['copy_gbps']:.0f} GB/s. GB/s = effective bandwidth (bytes that must cross HBM "
             "once / time); speed-up = their time / our time (>1: we are faster); err = max abs error of ours vs "
             "PyTorch eager.\n\n")
+    strategies = any("strategy" in r for r in result["rows"])
     cols = ["case", "ours us"] + [f"{i} GB/s" for i in impls] + [
-        "vs torch.compile", "vs dlight", "ours % of copy", "ours err", "kernels ours/dlight"]
+        "vs torch.compile", "vs dlight", "ours % of copy", "ours err", "kernels ours/dlight"] + (
+        ["strategy"] if strategies else [])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for label, by_impl in _grouped(result).items():
         ours = by_impl.get("ours", {})
@@ -41,8 +43,9 @@ def markdown(result: dict) -> str:
         err = f"{ours['max_abs_err']:.2g}" if "max_abs_err" in ours else "-"
         kern = f"{ours.get('kernels', '-')}/{by_impl.get('tvm_dlight', {}).get('kernels', '-')}"
         us = f"{ours['us']:.1f}" if "us" in ours else "fail"
+        extra = [ours.get("strategy", "-")] if strategies else []
         lines.append("| " + " | ".join([label, us] + gbps + [speed("torch_compile"), speed("tvm_dlight"), pct, err,
-                                                              kern]) + " |")
+                                                              kern] + extra) + " |")
     return head + "\n".join(lines) + "\n"
 
 

@@ -17,8 +17,10 @@ import sys
 import time
 
 import tvm  # import TVM before torch (see the field guide)
+import schedules
 import tvm_ext
 from tvm.runtime.vm import VirtualMachine
+from tvm_ext.pipeline import fused_reduce_functions
 
 import torch  # noqa: E402  pylint: disable=wrong-import-order
 import torch.nn.functional as F  # noqa: E402
@@ -97,6 +99,9 @@ def run_case(case: dict, database, log) -> list[dict]:
             failed[name] = f"build failed: {str(err).strip().splitlines()[-1][:300]}"
             log(f"  {name:14s} {failed[name]}")
     impls = {name: tvm_callable(ex) for name, ex in built.items()}
+    target = tvm_ext.parse_target("cuda")
+    strategy = "+".join(k["strategy"] for f in fused_reduce_functions(mod, target).values()
+                        for _, k in schedules.plan(f, target))  # what the heuristic picked
     impls["torch_eager"] = torch_fn(op)
     # a fresh dynamo cache per case: the suite's lambdas share code objects across cases, and past
     # dynamo's recompile limit (8) torch.compile silently runs eager (seen in this harness until
@@ -132,6 +137,8 @@ def run_case(case: dict, database, log) -> list[dict]:
                    "n": values or None}
             if impl in built:
                 row["kernels"] = len(tvm_ext.cuda_kernels(built[impl]))
+            if impl == "ours":
+                row["strategy"] = strategy
             rows.append(row)
             log(f"  {impl:14s} {values or ''} {us:9.1f} us {row['gbps']:7.0f} GB/s err {row['max_abs_err']:.3g}")
     return rows
