@@ -39,6 +39,11 @@ class ReducePattern:
     def blocks(self) -> list[SBlockInfo]:
         return self.reductions + self.row_outputs + ([self.epilogue] if self.epilogue else [])
 
+    @property
+    def row_reductions(self) -> list[SBlockInfo]:
+        """Reductions to compute under the row loop of the last block (all but that block)."""
+        return self.reductions if self.epilogue is not None else self.reductions[:-1]
+
     def merge_outputs(self) -> bool:
         """Put the per-row outputs under the last block's row loop (one loop nest to schedule).
 

@@ -23,6 +23,6 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
     loops = sch.get_loops(pattern.blocks[-1].block_rv)
     row = sch.fuse(*loops[: pattern.num_spatial])
     sch.parallel(row)
-    for info in reversed(pattern.reductions if pattern.epilogue is not None else pattern.reductions[:-1]):
+    for info in reversed(pattern.row_reductions):
         sch.compute_at(info.block_rv, row, preserve_unit_loops=True)
     return sch

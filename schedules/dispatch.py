@@ -41,21 +41,22 @@ def plan(func: tirx.PrimFunc, target: Target) -> list[tuple]:
     if device_of(target).is_gpu and pattern.layout == ROW and const_int(extent) is None:
         return [(None if bound is None else extent <= bound, dict(knobs, max_extent=bound))
                 for bound, knobs in DYNAMIC_ROW_VARIANTS]
-    knobs = heuristic_knobs(func, target)
+    knobs = _first_proposal(pattern, device_of(target))
     return [(None, knobs)] if knobs else []
 
 
-def heuristic_knobs(func: tirx.PrimFunc, target: Target) -> dict | None:
-    """The knobs the heuristic would pick for `func`, or None if no strategy fits it."""
-    pattern = match(func)
-    if pattern is None:
-        return None
-    device = device_of(target)
+def _first_proposal(pattern, device) -> dict | None:
     for strategy in STRATEGIES.values():
         knobs = strategy.default_knobs(pattern, device)
         if knobs is not None:
             return knobs
     return None
+
+
+def heuristic_knobs(func: tirx.PrimFunc, target: Target) -> dict | None:
+    """The knobs the heuristic would pick for `func`, or None if no strategy fits it."""
+    pattern = match(func)
+    return None if pattern is None else _first_proposal(pattern, device_of(target))
 
 
 def schedule(func: tirx.PrimFunc, target: Target, knobs: dict | None = None) -> s_tir.Schedule | None:

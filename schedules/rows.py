@@ -100,7 +100,7 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
             _spread(sch, [sch.add_unit_loop(output)], threads, 1, vectorize=True)
 
     reductions = []
-    for info in reversed(pattern.reductions[:-1] if pattern.epilogue is None else pattern.reductions):
+    for info in reversed(pattern.row_reductions):
         for i, _ in enumerate(sch.get(info.block_rv).writes):
             sch.set_scope(info.block_rv, i, "local" if rows_per_block > 1 else "shared")
         sch.compute_at(info.block_rv, row, preserve_unit_loops=True)

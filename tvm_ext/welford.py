@@ -93,11 +93,9 @@ def _keep_dims(t, x, axes):
 
 
 def variance_te(x, axes: list[int], keepdims: bool):
-    """Population variance of `x` over `axes`, in one Welford reduction."""
-    axes = sorted(a % len(x.shape) for a in axes)
-    m2, _, count = _welford_state(x, axes)
-    var = te.compute(m2.shape, lambda *i: (m2(*i) / count).astype(x.dtype), name="variance")
-    return _keep_dims(var, x, axes) if keepdims else var
+    """Population variance of `x` over `axes`, in one Welford reduction (the unused mean output
+    is not part of the function: only what the returned tensor depends on is)."""
+    return mean_variance_te(x, axes, keepdims)[1]
 
 
 def one_pass_variance_te(x, axes: list[int], keepdims: bool):
@@ -106,7 +104,6 @@ def one_pass_variance_te(x, axes: list[int], keepdims: bool):
     Kept for comparison (`variance="one_pass"`): the cancellation loses every digit once the mean
     is large against the spread, and can even go negative.
     """
-    axes = sorted(a % len(x.shape) for a in axes)
     kept, ks, element, count = _reduction_space(x, axes)
     total, squares = te.compute(kept, lambda *i: _sums((element(i), element(i) * element(i)), axis=ks), name="sums")
     var = te.compute(total.shape, lambda *i: (squares(*i) / count - (total(*i) / count) * (total(*i) / count))
@@ -115,8 +112,8 @@ def one_pass_variance_te(x, axes: list[int], keepdims: bool):
 
 
 def mean_variance_te(x, axes: list[int], keepdims: bool):
-    """(mean, population variance) of `x` over `axes` from one Welford reduction: one read of x."""
-    axes = sorted(a % len(x.shape) for a in axes)
+    """(mean, population variance) of `x` over `axes` (sorted, non-negative) from one Welford
+    reduction: one read of x."""
     m2, mean, count = _welford_state(x, axes)
     mean_out = te.compute(m2.shape, lambda *i: mean(*i).astype(x.dtype), name="mean")
     var_out = te.compute(m2.shape, lambda *i: (m2(*i) / count).astype(x.dtype), name="variance")
