@@ -10,12 +10,12 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.target import Target
 
-from . import block_row, column_reduce, cpu_rows, grid_reduce, warp_row
+from . import block_row, column_reduce, cpu_rows, grid_reduce, grid_sync, warp_row
 from .analysis import ROW, const_int, match
 from .device import device_of
 
 # Heuristic order: the first strategy whose default_knobs accepts the pattern wins.
-STRATEGIES = {s.NAME: s for s in (warp_row, grid_reduce, block_row, column_reduce, cpu_rows)}
+STRATEGIES = {s.NAME: s for s in (warp_row, grid_reduce, grid_sync, block_row, column_reduce, cpu_rows)}
 
 
 # A symbolic row width gets one kernel per width class, chosen at run time (tvm_ext.variants).

@@ -25,27 +25,33 @@ NAME = "grid_reduce"
 ZEROED_INPUTS = "tvm_ext.zeroed_inputs"  # PrimFunc attr: [(shape, dtype)] of inputs to pass zero-filled
 MIN_ROW = 16384  # shorter rows are cheaper one block each
 MAX_THREADS = 1024
-_COMBINERS = {tirx.Add: "+", tirx.Max: "max", tirx.Min: "min"}
+COMBINERS = {tirx.Add: "+", tirx.Max: "max", tirx.Min: "min"}
+
+
+def combiner_parts(block) -> tuple | None:
+    """(combiner op, per-element value, identity) of a reduction block `acc = acc <op> value`, or None."""
+    update = block.body
+    if not isinstance(update, tirx.BufferStore) or type(update.value) not in COMBINERS or block.init is None:
+        return None
+    a, b = update.value.a, update.value.b
+    is_acc = lambda e: isinstance(e, tvm.ir.TensorLoad) and e.source.same_as(update.buffer)  # noqa: E731
+    value = b if is_acc(a) else a if is_acc(b) else None
+    return None if value is None else (type(update.value), value, block.init.value)
 
 
 def _reduction(pattern: ReducePattern):
     """(block, combiner op, per-element value, identity) of the single reduction, or None.
 
     None as well when an epilogue works on every element (RMSNorm's scale): that needs a
-    grid-wide barrier between the reduction and the epilogue, not a last block.
+    grid-wide barrier between the reduction and the epilogue (grid_sync), not a last block.
     """
     if len(pattern.reductions) != 1 or pattern.num_spatial != 1 or pattern.row_outputs:
         return None
     if pattern.epilogue is not None and pattern.epilogue.dom_kind() != "S":
-        return None  # an epilogue over every element needs a grid-wide barrier, not a last block
-    block = pattern.sch.get(pattern.reductions[0].block_rv)
-    update = block.body
-    if not isinstance(update, tirx.BufferStore) or type(update.value) not in _COMBINERS or block.init is None:
         return None
-    a, b = update.value.a, update.value.b
-    is_acc = lambda e: isinstance(e, tvm.ir.TensorLoad) and e.source.same_as(update.buffer)  # noqa: E731
-    value = b if is_acc(a) else a if is_acc(b) else None
-    return None if value is None else (block, type(update.value), value, block.init.value)
+    block = pattern.sch.get(pattern.reductions[0].block_rv)
+    parts = combiner_parts(block)
+    return None if parts is None else (block, *parts)
 
 
 def joint_allocation(device: Device, rows: int) -> tuple[int, int, float]:
@@ -76,7 +82,7 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
     return {"strategy": NAME, "blocks_per_row": max(2, per_row), "threads": threads, "vec": vector_lanes(pattern)}
 
 
-def _buffer_decl(buf) -> str:
+def buffer_decl(buf) -> str:
     dims = [f"T.int64({int(d)})" for d in buf.shape]
     return f'T.Buffer(({", ".join(dims)}{"," if len(dims) == 1 else ""}), "{buf.ty.dtype}")'
 
@@ -84,10 +90,10 @@ def _buffer_decl(buf) -> str:
 def _template(func, rows, blocks, threads, vec, chunk, width, acc_dtype, combine, identity) -> str:
     """The kernel as TVMScript, with call_extern placeholders for the value and the epilogue."""
     n_in = len(func.params) - 1
-    params = [f"{p.name}: {_buffer_decl(p)}" for p in func.params[:n_in]] + [
+    params = [f"{p.name}: {buffer_decl(p)}" for p in func.params[:n_in]] + [
         f'gr_counter: T.Buffer((T.int64({rows}),), "int32")',
         f'gr_partials: T.Buffer((T.int64({rows * blocks}),), "{acc_dtype}")',
-        f"{func.params[-1].name}: {_buffer_decl(func.params[-1])}"]
+        f"{func.params[-1].name}: {buffer_decl(func.params[-1])}"]
     i64 = lambda v: f"T.int64({v})"  # noqa: E731
     # conservative: the spliced value may read any input anywhere
     whole_inputs = ", ".join(f"{p.name}[{', '.join(f'0:{int(d)}' for d in p.shape)}]" for p in func.params[:n_in])
@@ -150,7 +156,7 @@ def grid_reduce({", ".join(params)}):
 '''
 
 
-def _map_vars(expr, mapping):
+def map_vars(expr, mapping):
     def var(v):
         return next((new for old, new in mapping.items() if old.same_as(v)), v)
 
@@ -158,6 +164,27 @@ def _map_vars(expr, mapping):
         return tirx.BufferLoad(var(e.source), e.indices)
 
     return tvm_ffi.structural_map(expr, [(tirx.Var, var), (tvm.ir.TensorLoad, load)])
+
+
+def row_element_vars(block, row, k) -> dict:
+    """Map a [row, reduce...] block's iter vars to row `row` and flat position `k` in the row."""
+    first, *rest_vars = block.iter_vars
+    mapping, rest = {first.var: row}, k
+    for iv in reversed(rest_vars[1:]):
+        mapping[iv.var], rest = rest % int(iv.dom.extent), rest // int(iv.dom.extent)
+    mapping[rest_vars[0].var] = rest
+    return mapping
+
+
+def placeholder(name: str):
+    """A test for the call_extern("name", ...) that a TVMScript template leaves to be spliced."""
+    return lambda e: isinstance(e.op, tvm.ir.Op) and e.op.name == "tirx.call_extern" and e.args[0].value == name
+
+
+def copy_attrs(template: tirx.PrimFunc, func: tirx.PrimFunc) -> tirx.PrimFunc:
+    for key, attr in func.attrs.items() if func.attrs else []:
+        template = template.with_attr(key, attr)
+    return template
 
 
 def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule | None:
@@ -172,24 +199,18 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
     blocks = -(-width // chunk)
     func = pattern.sch.mod["main"]
     acc_dtype = str(block.writes[0].source.ty.dtype)
-    combine = _COMBINERS[combiner]
+    combine = COMBINERS[combiner]
     src = _template(func, rows, blocks, threads, vec, chunk, width, acc_dtype, combine, identity.script())
     grid = tvm.script.from_source(src)
 
     originals = list(func.params[:-1]) + [func.params[-1]]
     fresh = list(grid.params[:-3]) + [grid.params[-1]]
     buffers = dict(zip(originals, fresh))
-    row_var, *reduce_vars = [iv.var for iv in block.iter_vars]
-    extents = [int(iv.dom.extent) for iv in block.iter_vars[1:]]
     epilogue = pattern.epilogue and pattern.sch.get(pattern.epilogue.block_rv)
 
     def splice_value(call):
-        r, k = call.args[1], call.args[2]
-        mapping, rest = {row_var: r}, k
-        for var, extent in reversed(list(zip(reduce_vars[1:], extents[1:]))):
-            mapping[var], rest = rest % extent, rest // extent
-        mapping[reduce_vars[0]] = rest
-        spliced = _map_vars(value, {**buffers, **mapping})
+        k = call.args[2]
+        spliced = map_vars(value, {**buffers, **row_element_vars(block, call.args[1], k)})
         # the last block's chunk may run past the row: a predicate (T.where) on the block would
         # stop TVM's cross-thread lowering (it mentions blockIdx), so mask the value instead
         return spliced if chunk * blocks == width else tirx.if_then_else(k < width, spliced, identity)
@@ -203,11 +224,8 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
         result = total if epilogue is None else tvm_ffi.structural_map(
             store.value, (tvm.ir.TensorLoad, lambda e: total if e.source.same_as(reduced) else e))
         return tirx.BufferStore(buffers.get(store.buffer, store.buffer),
-                                _map_vars(result, {**buffers, row: r}),
-                                [_map_vars(i, {row: r}) for i in store.indices])
-
-    def placeholder(name):
-        return lambda e: isinstance(e.op, tvm.ir.Op) and e.op.name == "tirx.call_extern" and e.args[0].value == name
+                                map_vars(result, {**buffers, row: r}),
+                                [map_vars(i, {row: r}) for i in store.indices])
 
     is_value, is_finish = placeholder("gr_value"), placeholder("gr_finish")
     body = tvm_ffi.structural_map(grid.body, [
@@ -215,7 +233,4 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
         (tirx.Evaluate, lambda s: splice_finish(s) if isinstance(s.value, tvm.ir.Call) and is_finish(s.value) else s),
     ])
     zeroed = [([rows], "int32"), ([rows * blocks], acc_dtype)]
-    grid = grid.with_body(body).with_attr(ZEROED_INPUTS, zeroed)
-    for key, attr in func.attrs.items() if func.attrs else []:
-        grid = grid.with_attr(key, attr)
-    return s_tir.Schedule(grid)
+    return s_tir.Schedule(copy_attrs(grid.with_body(body).with_attr(ZEROED_INPUTS, zeroed), func))

@@ -73,10 +73,11 @@ def test_grid_reduce_is_one_kernel_with_an_atomic_ticket_and_zeroed_state():
     assert host.count("call  sum_v0 ") == 1 and "c[" in host.split("call  sum_v0 ")[1].splitlines()[0]
 
 
-def test_grid_reduce_leaves_full_row_epilogues_to_block_row():
-    # a 37-row RMSNorm over 32k: few rows, but the scale needs every row's total first
+def test_grid_reduce_leaves_full_row_epilogues_to_grid_sync():
+    # a 37-row RMSNorm over 32k: few rows, but the scale needs every row's total first: a grid
+    # barrier, not a last block; 7 blocks per row fill 259 of the 264 cooperative slots
     (plan,) = plans("rms_norm", [37, 32768], "bfloat16").values()
-    assert [k["strategy"] for _, k in plan] == ["block_row"]
+    assert [(k["strategy"], k["blocks_per_row"]) for _, k in plan] == [("grid_sync", 7)]
 
 
 def test_joint_allocation_reproduces_cinns_example():

@@ -5,6 +5,8 @@ default s_tir pipeline with the passes registered for each phase spliced in.
 
 - "early": every scheduled PrimFunc, still in SBlock form, before TVM lowers it;
 - "late": every device kernel after host/device splitting, just before codegen.
+
+Built in: `cooperative_launch` (late) launches kernels that use a grid-wide barrier cooperatively.
 """
 
 from __future__ import annotations
@@ -49,3 +51,13 @@ def _tir_pipeline():
 
 
 tirx.register_tir_pipeline(TIR_PIPELINE, _tir_pipeline)
+
+
+def _register_builtin_passes() -> None:
+    from .cooperative_launch import cooperative_launch, register_source_hook  # noqa: PLC0415
+
+    register_tir_pass(cooperative_launch, phase="late")
+    register_source_hook()
+
+
+_register_builtin_passes()

@@ -1,0 +1,93 @@
+"""The cooperative grid-sync strategy: few huge rows whose reductions feed work on every element."""
+
+import re
+import shutil
+import subprocess
+
+import pytest
+from tvm import tirx
+
+import schedules
+import tvm_ext
+from bench.suite import relax_module
+from conftest import CUDA_TARGET
+from barriers import divergent_barriers
+from tvm_ext.passes.cooperative_launch import COOPERATIVE_LAUNCH, DYNAMIC_SHARED_MEMORY, LAUNCH_PARAMS
+from tvm_ext.pipeline import fused_reduce_functions
+
+TARGET = tvm_ext.parse_target(CUDA_TARGET)
+# (op, shape, dtype, reductions): each reduction is one grid barrier
+CASES = [("rms_norm", [16, 262144], "bfloat16", 1), ("softmax", [8, 131072], "float16", 2),
+         ("layer_norm", [4, 200003], "float32", 2)]
+_built = {}
+
+
+def build(op, shape, dtype):
+    """(executable, CUDA source, launch params of each device kernel) for one case."""
+    key = (op, tuple(shape), dtype)
+    if key not in _built:
+        launch = {}
+
+        @tirx.transform.prim_func_pass(opt_level=0, name="RecordLaunchParams")
+        def record(func, _mod, _ctx):
+            launch[str(func.attrs["global_symbol"])] = [str(t) for t in func.attrs.get(LAUNCH_PARAMS, [])]
+            return func
+
+        tvm_ext.register_tir_pass(record, phase="late")  # after the built-in cooperative_launch pass
+        try:
+            ex = tvm_ext.build(relax_module(op, shape, dtype), CUDA_TARGET)
+        finally:
+            tvm_ext.unregister_tir_pass(record)
+        _built[key] = (ex, tvm_ext.cuda_source(ex), launch)
+    return _built[key]
+
+
+@pytest.mark.parametrize("op, shape, dtype, _", CASES)
+def test_few_huge_rows_with_element_epilogue_choose_grid_sync(op, shape, dtype, _):
+    (plan,) = [schedules.plan(f, TARGET) for f in fused_reduce_functions(relax_module(op, shape, dtype), TARGET).values()]
+    ((condition, knobs),) = plan
+    assert condition is None and knobs["strategy"] == "grid_sync"
+    assert shape[0] * knobs["blocks_per_row"] <= 132 * 2, "the grid must be co-resident (2 blocks of 512 per SM)"
+
+
+def test_many_rows_or_short_rows_do_not_need_a_grid_barrier():
+    for op, shape in [("rms_norm", [2048, 32768]), ("softmax", [8, 4096])]:
+        (plan,) = [schedules.plan(f, TARGET) for f in fused_reduce_functions(relax_module(op, shape, "float16"), TARGET).values()]
+        assert plan[0][1]["strategy"] != "grid_sync"
+
+
+@pytest.mark.parametrize("op, shape, dtype, reductions", CASES)
+def test_one_kernel_one_grid_barrier_per_reduction_launched_cooperatively(op, shape, dtype, reductions):
+    ex, src, launch = build(op, shape, dtype)
+    (kernel,) = tvm_ext.cuda_kernels(ex)
+    assert src.startswith("#include <cooperative_groups.h>\n")
+    body = re.search(rf"{kernel}\([^)]*\) \{{(.*?)\n\}}", src, re.S).group(1)
+    assert body.count("cooperative_groups::this_grid().sync();") == reductions
+    assert body.count("__ldcg(") == reductions, "partials of other blocks are read past L1"
+    tags = launch[kernel]
+    assert COOPERATIVE_LAUNCH in tags
+    assert DYNAMIC_SHARED_MEMORY not in tags or tags[-1] == DYNAMIC_SHARED_MEMORY, "TVM wants that tag last"
+    assert divergent_barriers(src) == []
+
+
+def test_row_chunk_is_staged_once_with_16_byte_loads_and_never_reread():
+    _, src, _ = build("softmax", [8, 131072], "float16")
+    assert re.search(r"\*\(uint4\*\)\(gs_x_ptr \+ .*\) = \*\(uint4\*\)\(p0_ptr \+", src)
+    assert src.count("p0_ptr[") == 0, "max, sum and the epilogue all read the staged chunk"
+
+
+def test_kernels_without_a_grid_barrier_are_launched_normally():
+    _, _, launch = build("rms_norm", [2048, 32768], "bfloat16")
+    assert all(COOPERATIVE_LAUNCH not in tags for tags in launch.values())
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("op, shape, dtype, _", CASES)
+def test_compiles_with_at_most_64_registers(op, shape, dtype, _, tmp_path):
+    # the grid is sized for 1024 resident threads per SM: more registers and the launch is refused
+    src = tmp_path / "k.cu"
+    src.write_text(build(op, shape, dtype)[1])
+    out = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "--resource-usage", "-o", str(tmp_path / "k.cubin"), str(src)],
+                         capture_output=True, text=True, check=True)
+    registers = [int(r) for r in re.findall(r"Used (\d+) registers", out.stdout + out.stderr)]
+    assert registers and max(registers) <= 64, out.stderr

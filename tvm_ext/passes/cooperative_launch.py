@@ -1,0 +1,59 @@
+"""Grid-wide barriers in TIR: the cooperative launch they need and the header they call into.
+
+A template writes the barrier as `T.call_extern("void", schedules.grid_sync.GRID_SYNC)`, which
+CUDA codegen prints as `cooperative_groups::this_grid().sync();`. Two things make that legal:
+
+- the kernel must be launched with `cuLaunchCooperativeKernel`, which guarantees (or refuses)
+  that all blocks are resident at once. TVM's CUDA runtime does so for a kernel whose
+  `tirx.kernel_launch_params` carry the tag "tirx.use_cooperative_launch"; the late-phase pass
+  below adds the tag to every device kernel that calls the barrier. The tag travels with the
+  exported module, so a deployed library launches the same way.
+- the source must include <cooperative_groups.h>: TVM's codegen hook `tvm_callback_cuda_postproc`
+  (called on every generated CUDA source) adds it where the barrier is used, after running
+  whatever hook was registered before.
+"""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+
+from schedules.grid_sync import GRID_SYNC
+
+COOPERATIVE_LAUNCH = "tirx.use_cooperative_launch"
+DYNAMIC_SHARED_MEMORY = "tirx.use_dyn_shared_memory"  # TVM requires this tag to stay last
+LAUNCH_PARAMS = "tirx.kernel_launch_params"
+HEADER = "#include <cooperative_groups.h>\n"
+
+
+def calls_grid_sync(func: tirx.PrimFunc) -> bool:
+    found = []
+    is_sync = lambda e: isinstance(e.op, tvm.ir.Op) and e.op.name == "tirx.call_extern" and e.args[0].value == GRID_SYNC  # noqa: E731
+    tvm_ffi.structural_walk(func.body, (tvm.ir.Call, lambda e: found.append(e) if is_sync(e) else None), order="pre")
+    return bool(found)
+
+
+@tvm.transform.module_pass(opt_level=0, name="TVMExtCooperativeLaunch")
+def cooperative_launch(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Tag each device kernel that calls the grid barrier for a cooperative launch."""
+    for gv, func in list(mod.functions_items()):
+        params = isinstance(func, tirx.PrimFunc) and func.attrs and func.attrs.get(LAUNCH_PARAMS, None)
+        if params is None or not calls_grid_sync(func) or COOPERATIVE_LAUNCH in params:
+            continue
+        tags = [str(t) for t in params]
+        last = [DYNAMIC_SHARED_MEMORY] if DYNAMIC_SHARED_MEMORY in tags else []
+        tags = [t for t in tags if t != DYNAMIC_SHARED_MEMORY] + [COOPERATIVE_LAUNCH] + last
+        mod[gv] = func.with_attr(LAUNCH_PARAMS, tags)
+    return mod
+
+
+def register_source_hook() -> None:
+    """Add the header to generated CUDA source that uses the barrier (chained to any earlier hook)."""
+    earlier = tvm_ffi.get_global_func("tvm_callback_cuda_postproc", allow_missing=True)
+
+    def postproc(code, target):
+        code = earlier(code, target) if earlier is not None else code
+        return HEADER + code if GRID_SYNC + "()" in code and HEADER not in code else code
+
+    tvm_ffi.register_global_func("tvm_callback_cuda_postproc", postproc, override=True)
