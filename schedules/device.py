@@ -19,14 +19,22 @@ class Device:
     smem_bytes: int  # static shared memory a block may use
     sm_count: int
     threads_per_sm: int = 2048  # resident threads per SM (sm_70 .. sm_90)
+    registers_per_sm: int = 65536
+    smem_per_sm: int = 228 * 1024  # sm_90; a block also costs 1 KB the driver reserves
 
     @property
     def is_gpu(self) -> bool:
         return self.kind == "cuda"
 
-    def resident_blocks(self, threads: int) -> int:
-        """Blocks of `threads` one SM holds at once, counting threads only (32 blocks at most)."""
-        return max(1, min(32, self.threads_per_sm // threads))
+    def resident_blocks(self, threads: int, registers: int = 0, smem: int = 0) -> int:
+        """Blocks of `threads` one SM holds at once (32 at most), given registers per thread
+        (allocated in multiples of 8) and shared memory per block where known."""
+        limits = [32, self.threads_per_sm // threads]
+        if registers:
+            limits.append(self.registers_per_sm // (-(-registers // 8) * 8 * threads))
+        if smem:
+            limits.append(self.smem_per_sm // (smem + 1024))
+        return max(1, min(limits))
 
 
 def _attr(target: Target, name: str, default: int) -> int:

@@ -22,12 +22,11 @@ from .analysis import ROW, ReducePattern, const_int
 from .device import Device
 from .grid_reduce import (COMBINERS, MIN_ROW, ZEROED_INPUTS, buffer_decl, combiner_parts, copy_attrs, map_vars,
                           placeholder, row_element_vars)
-from .rows import vector_lanes
+from .rows import MAX_EPILOGUE_LANES, vector_lanes
 
 NAME = "grid_sync"
 GRID_SYNC = "cooperative_groups::this_grid().sync"  # printed by CUDA codegen as a call
 THREADS = 512
-MAX_EPILOGUE_LANES = 4  # TVM 0.27 prints a float32x8 broadcast as make_ulonglong4 (nvcc rejects it)
 
 
 def cooperative_slots(device: Device, threads: int) -> int:

@@ -46,6 +46,16 @@ def row_bytes(pattern: ReducePattern, buffers) -> int | None:
     return None if n is None else sum(n * pattern.dtype_bytes(buf) for buf in buffers)
 
 
+def estimated_registers(pattern: ReducePattern) -> int:
+    """Registers per thread of a row kernel, before it is compiled: ncu on sm_90 read 32 for
+    softmax, RMSNorm and batch statistics, 40 for LayerNorm, whose epilogue reads five values
+    (x, mean, rstd, weight, bias) per element."""
+    if pattern.epilogue is None:
+        return 32
+    reads = pattern.sch.get(pattern.epilogue.block_rv).reads
+    return 32 if len(reads) <= 3 else 40
+
+
 def worth_caching(pattern: ReducePattern, rows_per_block: int = 1) -> bool:
     size = row_bytes(pattern, cached_inputs(pattern))
     return bool(size) and size * rows_per_block <= SMEM_CACHE_LIMIT
@@ -81,8 +91,15 @@ def _wide_stage_reads(sch: s_tir.Schedule, reduction, outer, staged) -> None:
             sch.vectorize(sch.get_loops(regs)[-1])
 
 
-def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec: int, cache: bool):
-    """The chain of `pattern` with rows along blockIdx.x/threadIdx.y, lanes along threadIdx.x."""
+def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec: int, cache: bool,
+                  reduce_vec: int | None = None):
+    """The chain of `pattern` with rows along blockIdx.x/threadIdx.y, lanes along threadIdx.x.
+
+    `reduce_vec`: adjacent elements a lane takes per step in the reductions (default `vec`; also
+    for rows read from global memory, where it beat 1 by 9% on batch statistics, 128x256x56x56 f32
+    on the H200: bench/results/h200-2026-11-21-sweep-reduce-vec.log).
+    """
+    reduce_vec = reduce_vec or vec
     sch, ns = pattern.sch, pattern.num_spatial
     last = pattern.blocks[-1]
     outputs = [info.block_rv for info in pattern.row_outputs] + [last.block_rv]
@@ -104,7 +121,7 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
         for i, _ in enumerate(sch.get(info.block_rv).writes):
             sch.set_scope(info.block_rv, i, "local" if rows_per_block > 1 else "shared")
         sch.compute_at(info.block_rv, row, preserve_unit_loops=True)
-        outer = _spread(sch, sch.get_loops(info.block_rv)[2:], threads, vec if cache else 1, vectorize=False)
+        outer = _spread(sch, sch.get_loops(info.block_rv)[2:], threads, reduce_vec, vectorize=False)
         reductions.append((info.block_rv, outer))
 
     staged_buffers = []
@@ -120,7 +137,7 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
         _spread(sch, columns[-1:], threads, vec, vectorize=True)
         staged_buffers.append(sch.get(stage).writes[0].source)
     width = const_int(pattern.reduce_extent)
-    if vec > 1 and width is not None and width % (threads * vec) == 0:
+    if reduce_vec > 1 and width is not None and width % (threads * reduce_vec) == 0:
         # only without a tail chunk: under the tail's predicate TVM puts the barrier that guards
         # the register copy inside `if (threadIdx.x < ...)`, and the block deadlocks (seen on the
         # H200 with log_softmax over 3000 columns)

@@ -38,4 +38,5 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict):
         return None  # the row width must be known, or bounded by the variant's condition
     if not 2 <= group <= device.warp or group & (group - 1) or group * rows > device.max_threads:
         return None
-    return schedule_rows(pattern, group, rows, int(knobs.get("vec", 1)), bool(knobs.get("cache")))
+    return schedule_rows(pattern, group, rows, int(knobs.get("vec", 1)), bool(knobs.get("cache")),
+                         knobs.get("reduce_vec"))
