@@ -1,8 +1,9 @@
 """Knobs in, Schedule out: pick a strategy for a fused reduce PrimFunc.
 
 With knobs from a tuning record the named strategy is applied as recorded; without, each
-strategy in turn may propose heuristic knobs for the pattern; the first proposal wins. A strategy
-that does not fit returns None, like TVM's dlight rules, and the caller falls back to TVM.
+strategy in turn may propose heuristic knobs for the pattern; the first proposal that its
+strategy also applies wins. A strategy that does not fit returns None, like TVM's dlight
+rules, and when none fits the caller falls back to TVM.
 """
 
 from __future__ import annotations
@@ -41,22 +42,30 @@ def plan(func: tirx.PrimFunc, target: Target) -> list[tuple]:
     if device_of(target).is_gpu and pattern.layout == ROW and const_int(extent) is None:
         return [(None if bound is None else extent <= bound, dict(knobs, max_extent=bound))
                 for bound, knobs in DYNAMIC_ROW_VARIANTS]
-    knobs = _first_proposal(pattern, device_of(target))
+    knobs = _first_applicable(func, pattern, device_of(target))
     return [(None, knobs)] if knobs else []
 
 
-def _first_proposal(pattern, device) -> dict | None:
+def _proposals(pattern, device):
+    """Each strategy's heuristic knobs for the pattern, in heuristic order."""
     for strategy in STRATEGIES.values():
         knobs = strategy.default_knobs(pattern, device)
         if knobs is not None:
+            yield knobs
+
+
+def _first_applicable(func, pattern, device) -> dict | None:
+    """The first proposal whose strategy also applies (a proposal may still be refused by apply)."""
+    for knobs in _proposals(pattern, device):
+        if STRATEGIES[knobs["strategy"]].apply(match(func), device, knobs) is not None:  # on a fresh schedule
             return knobs
     return None
 
 
 def heuristic_knobs(func: tirx.PrimFunc, target: Target) -> dict | None:
-    """The knobs the heuristic would pick for `func`, or None if no strategy fits it."""
+    """The knobs the heuristic picks for `func`, or None if no strategy fits it."""
     pattern = match(func)
-    return None if pattern is None else _first_proposal(pattern, device_of(target))
+    return None if pattern is None else _first_applicable(func, pattern, device_of(target))
 
 
 def schedule(func: tirx.PrimFunc, target: Target, knobs: dict | None = None) -> s_tir.Schedule | None:

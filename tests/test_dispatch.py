@@ -88,3 +88,13 @@ def test_joint_allocation_reproduces_cinns_example():
     h200 = Device("cuda", 1024, 32, 49152, 132)
     threads, per_row, used = joint_allocation(h200, 64)
     assert (threads, per_row) == (1024, 4) and used > 0.96  # 256 of 264 slots, one wave
+
+
+def test_a_proposal_its_strategy_refuses_falls_through_to_the_next(monkeypatch):
+    from schedules import warp_row  # noqa: PLC0415
+
+    (plan,) = plans("softmax", [4096, 1000], "float16").values()
+    assert plan[0][1]["strategy"] == "warp_row"
+    monkeypatch.setattr(warp_row, "apply", lambda *args: None)
+    (plan,) = plans("softmax", [4096, 1000], "float16").values()
+    assert [k["strategy"] for _, k in plan] == ["block_row"]
