@@ -83,7 +83,10 @@ def copy_gbps() -> float:
     return 2 * src.numel() * 4 / us / 1e3
 
 
-def run_case(case: dict, database, log) -> list[dict]:
+STATISTICS_OPS = ("layer_norm", "bn_stats")  # the ops whose variance algorithm is a build option
+
+
+def run_case(case: dict, database, log, variance_algorithms=()) -> list[dict]:
     op, dtype, shape = case["op"], case["dtype"], case["shape"]
     mod = relax_module(op, shape, dtype)
     t0 = time.time()
@@ -91,6 +94,8 @@ def run_case(case: dict, database, log) -> list[dict]:
                 "tvm_dlight": lambda: tvm.compile(mod, target=tvm_ext.parse_target("cuda"))}
     if database:
         builders["ours_tuned"] = lambda: tvm_ext.build(mod, "cuda", database=database)
+    for algorithm in variance_algorithms if op in STATISTICS_OPS else ():
+        builders[f"ours_{algorithm}"] = lambda a=algorithm: tvm_ext.build(mod, "cuda", variance=a)
     built, failed = {}, {}
     for name, builder in builders.items():
         try:
@@ -151,6 +156,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="", help="comma-separated id prefixes to run (default: all)")
     ap.add_argument("--database", default=None, help="tuning log: adds an ours_tuned row per case")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--variance", default="", help="comma-separated variance algorithms to add as ours_<name> rows "
+                                                   "on LayerNorm and batch-statistics cases (welford,two_pass,one_pass)")
     args = ap.parse_args(argv)
     torch._dynamo.config.recompile_limit = 64  # dynamic cases compile once per listed size
     if not torch.cuda.is_available() or not tvm.cuda(0).exist:
@@ -168,7 +175,7 @@ def main(argv=None) -> int:
     stem = os.path.join(args.out, f"{slug}-{result['date']}{'-' + args.tag if args.tag else ''}")
     for case in tqdm(cases, desc="suite", file=sys.stdout):
         log(case["id"])
-        result["rows"] += run_case(case, args.database, log)
+        result["rows"] += run_case(case, args.database, log, [a for a in args.variance.split(",") if a])
         with open(stem + ".json", "w", encoding="utf-8") as f:  # after every case: a cut-off run keeps its rows
             json.dump(result, f, indent=1)
     print(write_reports(stem + ".json"))

@@ -90,12 +90,14 @@ def _layout_of(sch: s_tir.Schedule, info: SBlockInfo) -> str | None:
     block = sch.get(info.block_rv)
     reduce_vars = [iv.var for iv in block.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
     spatial_vars = [iv.var for iv in block.iter_vars if iv.iter_type == tirx.IterVar.DataPar]
-    for region in block.reads:
-        if len(region.region) == 0:
+    written = [w.source for w in block.writes]
+    loads = []
+    tvm_ffi.structural_walk(block.body, (tvm.ir.TensorLoad, loads.append), order="pre")
+    for load in loads:
+        if not load.indices or any(load.source.same_as(w) for w in written):
             continue
-        last = region.region[-1].min
         used = set()
-        tvm_ffi.structural_walk(last, (tirx.Var, lambda v: used.add(v)), order="post")
+        tvm_ffi.structural_walk(load.indices[-1], (tirx.Var, lambda v: used.add(v)), order="post")
         if reduce_vars and any(reduce_vars[-1].same_as(v) for v in used):
             return ROW
         if any(any(s.same_as(v) for v in used) for s in spatial_vars):
@@ -129,6 +131,26 @@ def is_reduce_subgraph(func: tirx.PrimFunc) -> bool:
     return bool(blocks) and not any(_is_contraction(b) for b in blocks)
 
 
+def _widen_union_reads(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """Declare whole dimensions where inlining left a read region that is a union (min/max of
+    iterators, e.g. Welford's pivot x[r, 0] beside x[r, k]): once loops are split over threads,
+    TVM cannot bound such a region and a shared-memory stage of it gets a symbolic size."""
+
+    def is_union(rng):
+        found = []
+        tvm_ffi.structural_walk(rng.min, [(tirx.Min, found.append), (tirx.Max, found.append)], order="pre")
+        return bool(found)
+
+    def widen(block):
+        reads = [tvm.ir.TensorRegion(r.source, [tvm.ir.Range.from_min_extent(tirx.const(0, d.ty.dtype), d)
+                                                if is_union(rng) else rng for rng, d in zip(r.region, r.source.shape)], r.ty)
+                 for r in block.reads]
+        return s_tir.SBlock(block.iter_vars, reads, block.writes, block.name_hint, block.body, block.init,
+                            block.alloc_buffers, block.match_buffers, block.annotations)
+
+    return func.with_body(tvm_ffi.structural_map(func.body, (s_tir.SBlock, widen)))
+
+
 def match(func: tirx.PrimFunc) -> ReducePattern | None:
     """Match `func` as a fused reduce subgraph, or return None (then another rule must serve it)."""
     sch = s_tir.Schedule(func)
@@ -138,6 +160,8 @@ def match(func: tirx.PrimFunc) -> ReducePattern | None:
     infos = try_inline_contiguous_spatial(sch, infos)
     if not infos or not any(info.is_reduction() for info in infos):
         return None
+    sch = s_tir.Schedule(_widen_union_reads(sch.mod["main"]))
+    infos = normalize_prim_func(sch)
     kind = infos[0].dom_kind()
     num_spatial = len(kind) - len(kind.lstrip("S"))
     num_reduce = len(kind) - num_spatial

@@ -1,17 +1,24 @@
-"""CPU strategy: rows in parallel across cores, each row's whole chain computed while it is in cache."""
+"""CPU strategy: rows in parallel across cores, each row's whole chain computed while it is in cache.
+
+Each reduction over a long row keeps `lanes` partial results (TVM's rfactor) that are combined
+at the end: a float32 sum or Welford state then carries the rounding of n/lanes serial steps,
+not of n (variance of 262144 values at mean 1e4: 6.7e-5 relative error serially, under 1e-6
+with 64 lanes).
+"""
 
 from __future__ import annotations
 
 from tvm import s_tir
 
-from .analysis import ReducePattern
+from .analysis import ReducePattern, const_int
 from .device import Device
 
 NAME = "cpu_rows"
+LANES = 64
 
 
 def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
-    return None if device.is_gpu else {"strategy": NAME}
+    return None if device.is_gpu else {"strategy": NAME, "lanes": LANES}
 
 
 def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule | None:
@@ -20,9 +27,22 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
     sch = pattern.sch
     if not pattern.merge_outputs():
         return None
+    partials = [_split_lanes(sch, info.block_rv, int(knobs.get("lanes", 1))) for info in pattern.row_reductions]
     loops = sch.get_loops(pattern.blocks[-1].block_rv)
     row = sch.fuse(*loops[: pattern.num_spatial])
     sch.parallel(row)
-    for info in reversed(pattern.row_reductions):
+    for info, partial in reversed(list(zip(pattern.row_reductions, partials))):
         sch.compute_at(info.block_rv, row, preserve_unit_loops=True)
+        if partial is not None:
+            sch.compute_at(partial, row, preserve_unit_loops=True)
     return sch
+
+
+def _split_lanes(sch: s_tir.Schedule, block, lanes: int):
+    """rfactor `block` into `lanes` partial reductions over its innermost axis; the partial block,
+    or None where the axis is too short or does not divide."""
+    innermost = sch.get_loops(block)[-1]
+    extent = const_int(sch.get(innermost).extent)
+    if lanes <= 1 or extent is None or extent % lanes or extent < 4 * lanes:
+        return None
+    return sch.rfactor(sch.split(innermost, [None, lanes])[1], factor_axis=0)

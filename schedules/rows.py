@@ -85,7 +85,9 @@ def _wide_stage_reads(sch: s_tir.Schedule, reduction, outer, staged) -> None:
     for buf in staged:
         reads = sch.get(reduction).reads
         index = next((i for i, r in enumerate(reads) if r.source.same_as(buf)), None)
-        if index is not None:
+        # one element per block instance only: a reduction that also reads elsewhere in the row
+        # (Welford's pivot, the row's first element) would copy the whole row into registers
+        if index is not None and all(const_int(r.extent) == 1 for r in reads[index].region):
             regs = sch.cache_read(reduction, index, "local", consumer_blocks=[reduction])
             sch.compute_at(regs, outer, preserve_unit_loops=True)
             sch.vectorize(sch.get_loops(regs)[-1])

@@ -83,7 +83,27 @@ def test_pattern_on_gpu(name, rng):
                                               ("layer_norm", [4, 200003], "float32"), ("softmax", [3, 1000003], "float32")])
 def test_grid_sync_on_gpu_twice_in_a_row(op, shape, dtype, rng):
     # one cooperative launch per call; the second call reuses the partials workspace
-    executable = tvm_ext.build(relax_module(op, shape, dtype), "cuda")
+    executable = tvm_ext.build(relax_module(op, shape, dtype), "cuda", variance="two_pass")
     for _ in range(2):
         outs, refs = run_case(executable, tvm.cuda(0), op, shape, dtype, rng)
         assert_close(outs, refs, dtype)
+
+
+@pytest.mark.parametrize("width", [1024, 8192, 65536, 262144])
+@pytest.mark.parametrize("mean", [0.0, 1e4])
+def test_welford_variance_meets_1e_6_on_gpu_where_one_pass_fails(width, mean, rng):
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([3, width], "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.variance(x, axis=[1]))
+        bb.emit_func_output(out)
+    xs = (rng.standard_normal((3, width)) + mean).astype("float32")
+    ref = xs.astype("float64").var(1)
+
+    def error(algorithm):
+        vm = VirtualMachine(tvm_ext.build(bb.get(), "cuda", variance=algorithm), tvm.cuda(0))
+        return float(np.max(np.abs(vm["main"](tvm.runtime.tensor(xs, tvm.cuda(0))).numpy() - ref) / ref))
+
+    assert error("welford") <= 1e-6
+    assert (error("one_pass") > 1e-6) == bool(mean), "one-pass fails the bar exactly where the mean is large"

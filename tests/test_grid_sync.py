@@ -16,9 +16,11 @@ from tvm_ext.passes.cooperative_launch import COOPERATIVE_LAUNCH, DYNAMIC_SHARED
 from tvm_ext.pipeline import fused_reduce_functions
 
 TARGET = tvm_ext.parse_target(CUDA_TARGET)
-# (op, shape, dtype, reductions): each reduction is one grid barrier
+# (op, shape, dtype, reductions): each reduction is one grid barrier. LayerNorm in two passes:
+# grid_sync does not carry a Welford state (three values) through its barriers yet.
 CASES = [("rms_norm", [16, 262144], "bfloat16", 1), ("softmax", [8, 131072], "float16", 2),
          ("layer_norm", [4, 200003], "float32", 2)]
+OPTIONS = {"layer_norm": {"variance": "two_pass"}}
 _built = {}
 
 
@@ -35,7 +37,7 @@ def build(op, shape, dtype):
 
         tvm_ext.register_tir_pass(record, phase="late")  # after the built-in cooperative_launch pass
         try:
-            ex = tvm_ext.build(relax_module(op, shape, dtype), CUDA_TARGET)
+            ex = tvm_ext.build(relax_module(op, shape, dtype), CUDA_TARGET, **OPTIONS.get(op, {}))
         finally:
             tvm_ext.unregister_tir_pass(record)
         _built[key] = (ex, tvm_ext.cuda_source(ex), launch)
@@ -44,7 +46,8 @@ def build(op, shape, dtype):
 
 @pytest.mark.parametrize("op, shape, dtype, _", CASES)
 def test_few_huge_rows_with_element_epilogue_choose_grid_sync(op, shape, dtype, _):
-    (plan,) = [schedules.plan(f, TARGET) for f in fused_reduce_functions(relax_module(op, shape, dtype), TARGET).values()]
+    module = relax_module(op, shape, dtype)
+    (plan,) = [schedules.plan(f, TARGET) for f in fused_reduce_functions(module, TARGET, **OPTIONS.get(op, {})).values()]
     ((condition, knobs),) = plan
     assert condition is None and knobs["strategy"] == "grid_sync"
     assert shape[0] * knobs["blocks_per_row"] <= 132 * 2, "the grid must be co-resident (2 blocks of 512 per SM)"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from functools import reduce
-
 from tvm import relax, tirx, topi
 
 from . import welford
@@ -22,28 +20,31 @@ def _softmax_float32_accumulate(bb: relax.BlockBuilder, call: relax.Call) -> rel
     return bb.call_te(softmax, call.args[0], primfunc_name_hint="softmax")
 
 
-def _layer_norm_float32(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
-    """LayerNorm computed in float32 whatever the input dtype, as PyTorch does.
+def _layer_norm_float32(variance: str):
+    """LayerNorm computed in float32 whatever the input dtype, as PyTorch does, with its
+    statistics from `variance` (see welford.statistics_te): Welford reads x once for both.
 
     TVM's own (C++ TOPI) refuses bfloat16 and applies the weight and bias in float16.
     """
-    eps = float(call.attrs.epsilon)
 
-    def layer_norm(x, gamma, beta):
-        axes = sorted(int(a) % len(x.shape) for a in call.attrs.axes)
-        count = reduce(lambda a, b: a * b, [x.shape[a] for a in axes])
-        param_shape = [x.shape[i] if i in axes else 1 for i in range(len(x.shape))]
-        xf = topi.cast(x, "float32")
-        mean = topi.divide(topi.sum(xf, axis=axes, keepdims=True), topi.cast(count, "float32"))
-        centred = topi.subtract(xf, mean)
-        var = topi.divide(topi.sum(topi.multiply(centred, centred), axis=axes, keepdims=True),
-                          topi.cast(count, "float32"))
-        y = topi.multiply(centred, topi.rsqrt(topi.add(var, tirx.const(eps, "float32"))))
-        y = topi.multiply(y, topi.reshape(topi.cast(gamma, "float32"), param_shape))
-        y = topi.add(y, topi.reshape(topi.cast(beta, "float32"), param_shape))
-        return topi.cast(y, x.dtype)
+    def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+        eps = float(call.attrs.epsilon)
 
-    return bb.call_te(layer_norm, *call.args, primfunc_name_hint="layer_norm")
+        def layer_norm(x, gamma, beta):
+            axes = sorted(int(a) % len(x.shape) for a in call.attrs.axes)
+            param_shape = [x.shape[i] if i in axes else 1 for i in range(len(x.shape))]
+            mean, var = welford.statistics_te(x, axes, variance)
+            kept = [1 if i in axes else x.shape[i] for i in range(len(x.shape))]
+            mean, var = topi.reshape(mean, kept), topi.reshape(var, kept)
+            y = topi.multiply(topi.subtract(topi.cast(x, "float32"), mean),
+                              topi.rsqrt(topi.add(var, tirx.const(eps, "float32"))))
+            y = topi.multiply(y, topi.reshape(topi.cast(gamma, "float32"), param_shape))
+            y = topi.add(y, topi.reshape(topi.cast(beta, "float32"), param_shape))
+            return topi.cast(y, x.dtype)
+
+        return bb.call_te(layer_norm, *call.args, primfunc_name_hint="layer_norm")
+
+    return legalize
 
 
 VARIANCE_ALGORITHMS = ("welford", "two_pass", "one_pass")
@@ -57,9 +58,9 @@ def legalizations(variance: str = "welford") -> dict:
     """
     if variance not in VARIANCE_ALGORITHMS:
         raise ValueError(f"unknown variance algorithm {variance!r}: expected one of {VARIANCE_ALGORITHMS}")
-    table = {"relax.nn.softmax": _softmax_float32_accumulate, "relax.nn.layer_norm": _layer_norm_float32}
+    welford.register()
+    table = {"relax.nn.softmax": _softmax_float32_accumulate, "relax.nn.layer_norm": _layer_norm_float32(variance)}
     if variance != "two_pass":
-        welford.register()
         table["relax.variance"] = {"welford": welford.legalize_variance,
                                    "one_pass": welford.legalize_one_pass_variance}[variance]
     return table

@@ -69,11 +69,11 @@ _sums = te.comm_reducer(lambda a, b: tuple(_pair_sum(a, b)), lambda t0, t1: tupl
 
 
 def _reduction_space(x, axes: list[int]):
-    """(kept shape, reduce axes, element(spatial index) as float32, element count as float32)."""
+    """(kept shape, reduce axes, element(spatial index, reduce index) as float32, element count)."""
     ks = [te.reduce_axis((0, x.shape[a]), name=f"k{a}") for a in axes]
 
-    def element(spatial):
-        s, r = iter(spatial), iter(ks)
+    def element(spatial, reduced=None):
+        s, r = iter(spatial), iter(reduced if reduced is not None else ks)
         return x[tuple(next(r) if i in axes else next(s) for i in range(len(x.shape)))].astype("float32")
 
     kept = [x.shape[i] for i in range(len(x.shape)) if i not in axes]
@@ -81,11 +81,39 @@ def _reduction_space(x, axes: list[int]):
 
 
 def _welford_state(x, axes: list[int]):
-    """(M2, mean, count) of `x` over `axes`, float32, from one Welford reduction."""
+    """(M2, mean, count) of `x` over `axes`, float32, from one Welford reduction.
+
+    The reduction runs on x minus the first element of its row (a pivot: the subtraction is exact
+    for the nearby values of data far from zero), so the running mean stays small and keeps its
+    digits; the pivot is added back to the mean afterwards.
+    """
     kept, ks, element, count = _reduction_space(x, axes)
     one, zero = tirx.const(1, "float32"), tirx.const(0, "float32")
-    m2, mean, _ = te.compute(kept, lambda *i: _welford((zero, element(i), one), axis=ks), name="welford")
+    first = [tirx.const(0, k.var.ty.dtype) for k in ks]
+    pivot = te.compute(kept, lambda *i: element(i, first), name="pivot")
+    m2, mean, _ = te.compute(kept, lambda *i: _welford((zero, element(i) - pivot(*i), one), axis=ks), name="welford")
+    mean = te.compute(kept, lambda *i: mean(*i) + pivot(*i), name="shifted_mean")
     return m2, mean, count
+
+
+def statistics_te(x, axes: list[int], algorithm: str):
+    """(mean, population variance) of `x` over `axes` in float32, without the reduced dims, by
+    `algorithm`: "welford" (one reduction), "one_pass" (one reduction of sum and sum of squares)
+    or "two_pass" (the sum, then the sum of squared deviations: x is read twice)."""
+    if algorithm == "welford":
+        m2, mean, count = _welford_state(x, axes)
+        return mean, te.compute(m2.shape, lambda *i: m2(*i) / count, name="variance")
+    kept, ks, element, count = _reduction_space(x, axes)
+    if algorithm == "one_pass":
+        total, squares = te.compute(kept, lambda *i: _sums((element(i), element(i) * element(i)), axis=ks), name="sums")
+        mean = te.compute(kept, lambda *i: total(*i) / count, name="mean")
+        return mean, te.compute(kept, lambda *i: squares(*i) / count - mean(*i) * mean(*i), name="variance")
+    total = te.compute(kept, lambda *i: te.sum(element(i), axis=ks), name="sum")
+    mean = te.compute(kept, lambda *i: total(*i) / count, name="mean")
+    ks2 = [te.reduce_axis((0, k.dom.extent), name=f"{k.var.name}_2") for k in ks]
+    squared = te.compute(kept, lambda *i: te.sum((element(i, ks2) - mean(*i)) * (element(i, ks2) - mean(*i)), axis=ks2),
+                         name="squared_deviations")
+    return mean, te.compute(kept, lambda *i: squared(*i) / count, name="variance")
 
 
 def _keep_dims(t, x, axes):
@@ -104,20 +132,19 @@ def one_pass_variance_te(x, axes: list[int], keepdims: bool):
     Kept for comparison (`variance="one_pass"`): the cancellation loses every digit once the mean
     is large against the spread, and can even go negative.
     """
-    kept, ks, element, count = _reduction_space(x, axes)
-    total, squares = te.compute(kept, lambda *i: _sums((element(i), element(i) * element(i)), axis=ks), name="sums")
-    var = te.compute(total.shape, lambda *i: (squares(*i) / count - (total(*i) / count) * (total(*i) / count))
-                     .astype(x.dtype), name="variance")
+    var = _cast(statistics_te(x, axes, "one_pass")[1], x.dtype)
     return _keep_dims(var, x, axes) if keepdims else var
 
 
 def mean_variance_te(x, axes: list[int], keepdims: bool):
     """(mean, population variance) of `x` over `axes` (sorted, non-negative) from one Welford
     reduction: one read of x."""
-    m2, mean, count = _welford_state(x, axes)
-    mean_out = te.compute(m2.shape, lambda *i: mean(*i).astype(x.dtype), name="mean")
-    var_out = te.compute(m2.shape, lambda *i: (m2(*i) / count).astype(x.dtype), name="variance")
-    return [_keep_dims(t, x, axes) for t in (mean_out, var_out)] if keepdims else [mean_out, var_out]
+    outs = [_cast(t, x.dtype) for t in statistics_te(x, axes, "welford")]
+    return [_keep_dims(t, x, axes) for t in outs] if keepdims else outs
+
+
+def _cast(t, dtype):
+    return te.compute(t.shape, lambda *i: t(*i).astype(dtype), name=f"{t.op.name}_out")
 
 
 def _axes(call: relax.Call) -> list[int]:
