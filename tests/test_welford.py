@@ -77,3 +77,18 @@ def test_welford_update_uses_one_fast_reciprocal_not_divisions():
         ptx = bytes(nvcc.compile_cuda(src, target_format="ptx", compiler="nvcc")).decode()
     reciprocals, divisions = len(re.findall(r"\brcp\.approx", ptx)), len(re.findall(r"\bdiv\.", ptx))
     assert reciprocals > 0 and divisions <= 1, (reciprocals, divisions)  # the one division: M2 / count
+
+
+def test_bfloat16_variance_on_the_cpu_is_right(rng):
+    # TVM's CPU bf16 legalization breaks multi-value reductions; bf16 statistics take two passes there
+    import ml_dtypes  # noqa: PLC0415
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([3, 256], "bfloat16"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.variance(x, axis=[1]))
+        bb.emit_func_output(out)
+    xs = rng.standard_normal((3, 256)).astype(ml_dtypes.bfloat16)
+    got = VirtualMachine(tvm_ext.build(bb.get(), "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(xs)).numpy()
+    np.testing.assert_allclose(got.astype("float64"), xs.astype("float64").var(1), rtol=2e-2)

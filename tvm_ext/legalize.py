@@ -29,11 +29,12 @@ def _layer_norm_float32(variance: str):
 
     def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         eps = float(call.attrs.epsilon)
+        algorithm = "two_pass" if welford.bf16_off_gpu(call) else variance
 
         def layer_norm(x, gamma, beta):
             axes = sorted(int(a) % len(x.shape) for a in call.attrs.axes)
             param_shape = [x.shape[i] if i in axes else 1 for i in range(len(x.shape))]
-            mean, var = welford.statistics_te(x, axes, variance)
+            mean, var = welford.statistics_te(x, axes, algorithm)
             kept = [1 if i in axes else x.shape[i] for i in range(len(x.shape))]
             mean, var = topi.reshape(mean, kept), topi.reshape(var, kept)
             y = topi.multiply(topi.subtract(topi.cast(x, "float32"), mean),
@@ -43,6 +44,18 @@ def _layer_norm_float32(variance: str):
             return topi.cast(y, x.dtype)
 
         return bb.call_te(layer_norm, *call.args, primfunc_name_hint="layer_norm")
+
+    return legalize
+
+
+def _variance(algorithm: str):
+    one_pass_form = {"welford": welford.legalize_variance, "one_pass": welford.legalize_one_pass_variance}[algorithm]
+
+    def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+        if welford.bf16_off_gpu(call):
+            return bb.call_te(welford.two_pass_variance_te, call.args[0], welford.axes_of(call),
+                              bool(call.attrs.keepdims), primfunc_name_hint="variance")
+        return one_pass_form(bb, call)
 
     return legalize
 
@@ -61,6 +74,5 @@ def legalizations(variance: str = "welford") -> dict:
     welford.register()
     table = {"relax.nn.softmax": _softmax_float32_accumulate, "relax.nn.layer_norm": _layer_norm_float32(variance)}
     if variance != "two_pass":
-        table["relax.variance"] = {"welford": welford.legalize_variance,
-                                   "one_pass": welford.legalize_one_pass_variance}[variance]
+        table["relax.variance"] = _variance(variance)
     return table
