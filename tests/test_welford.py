@@ -69,14 +69,24 @@ def test_each_one_pass_form_gets_our_cuda_schedule(algorithm):
     assert "__shfl_down_sync" in src
 
 
+def test_serial_update_is_welfords_streaming_form_with_a_fast_reciprocal():
+    src = tvm_ext.cuda_source(tvm_ext.build(variance_module(64, 8192), CUDA_TARGET))
+    m2 = re.search(r"float v_welford_v0 = (.*);", src).group(1)
+    # M2 + (x - mean) * (x - (mean + (x - mean) * r)): the new mean inside the second factor
+    assert re.search(r"- \(in_thread_welford_v1\w*\[0\] \+ .*__fdividef\(", m2), m2
+    assert "__fdividef(0x1p+0f" in src and not re.search(r"0x1p\+0f/\*1\.000000e\+00\*/ / max\(", src)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-def test_welford_update_uses_one_fast_reciprocal_not_divisions():
+def test_welford_update_uses_one_fast_reciprocal_even_without_fast_math(monkeypatch):
+    monkeypatch.setenv("TVM_CUDA_NVCC_NO_FAST_MATH", "1")
     target = tvm_ext.parse_target(CUDA_TARGET)
     src = tvm_ext.cuda_source(tvm_ext.build(variance_module(64, 8192), target))
     with target:
         ptx = bytes(nvcc.compile_cuda(src, target_format="ptx", compiler="nvcc")).decode()
-    reciprocals, divisions = len(re.findall(r"\brcp\.approx", ptx)), len(re.findall(r"\bdiv\.", ptx))
-    assert reciprocals > 0 and divisions <= 1, (reciprocals, divisions)  # the one division: M2 / count
+    # __fdividef(1, n) is PTX div.approx.f32 (one MUFU.RCP and a multiply); IEEE division is div.rn
+    approximate, ieee = len(re.findall(r"\b(?:rcp|div)\.approx", ptx)), len(re.findall(r"\bdiv\.rn", ptx))
+    assert approximate > 0 and ieee == 0, (approximate, ieee)
 
 
 def test_bfloat16_variance_on_the_cpu_is_right(rng):

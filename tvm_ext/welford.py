@@ -30,14 +30,18 @@ _PAIR_SUM, _PAIR_ZERO = "tvm_ext.pair_sum", "tvm_ext.pair_zero"
 def combine(a, b):
     """Merge two (M2, mean, count) states; an empty side leaves the other unchanged.
 
-    One reciprocal of the merged count serves both updates (counts are whole numbers, so
-    max(n, 1) guards the empty merge); on CUDA it compiles to one approximate reciprocal per
-    element in the serial part instead of two divisions.
+    Written as M2 = M2_a + M2_b + delta * (mean_b - mean) * n_b (equal to the textbook
+    delta^2 n_a n_b / n) so that for a single element b = (0, x, 1), which is what every thread's
+    serial loop merges, it simplifies to Welford's streaming update
+    mean_k = mean + (x - mean) / k;  M2_k = M2 + (x - mean) * (x - mean_k).
+    One reciprocal of the merged count serves both (counts are whole numbers, so max(n, 1) guards
+    the empty merge); passes/welford_lower.py makes it the fast approximate reciprocal on CUDA.
     """
     n = a[2] + b[2]
     inv = tirx.const(1, n.ty.dtype) / tirx.max(n, tirx.const(1, n.ty.dtype))
     delta = b[1] - a[1]
-    return [a[0] + b[0] + delta * delta * a[2] * b[2] * inv, a[1] + delta * b[2] * inv, n]
+    mean = a[1] + delta * b[2] * inv
+    return [a[0] + b[0] + delta * (b[1] - mean) * b[2], mean, n]
 
 
 def identity(*dtypes):

@@ -6,7 +6,8 @@ default s_tir pipeline with the passes registered for each phase spliced in.
 - "early": every scheduled PrimFunc, still in SBlock form, before TVM lowers it;
 - "late": every device kernel after host/device splitting, just before codegen.
 
-Built in: `cooperative_launch` (late) launches kernels that use a grid-wide barrier cooperatively.
+Built in (late): `cooperative_launch` launches kernels that use a grid-wide barrier cooperatively;
+`welford_lower` gives Welford updates CUDA's fast approximate reciprocal.
 """
 
 from __future__ import annotations
@@ -55,8 +56,10 @@ tirx.register_tir_pipeline(TIR_PIPELINE, _tir_pipeline)
 
 def _register_builtin_passes() -> None:
     from .cooperative_launch import cooperative_launch, register_source_hook  # noqa: PLC0415
+    from .welford_lower import welford_lower  # noqa: PLC0415
 
     register_tir_pass(cooperative_launch, phase="late")
+    register_tir_pass(welford_lower, phase="late")
     register_source_hook()
 
 
