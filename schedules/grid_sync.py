@@ -10,9 +10,15 @@ A grid barrier is only safe when every block is resident at once. The kernel is 
 launched cooperatively (the driver refuses a grid that cannot be co-resident instead of
 hanging); tvm_ext/passes/cooperative_launch.py asks for that launch and supplies the header.
 Grids are sized to half the SM's thread slots so that up to 64 registers per thread still fit.
+
+Reductions are single values (sum, max, min) or a multi-value state whose merge rule is
+registered in schedules/reducers.py (Welford's (M2, mean, count) for LayerNorm's statistics).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import tvm
 import tvm_ffi
@@ -20,6 +26,7 @@ from tvm import s_tir, tirx
 
 from .analysis import ROW, ReducePattern, const_int
 from .device import Device
+from . import reducers
 from .grid_reduce import (COMBINERS, MIN_ROW, ZEROED_INPUTS, buffer_decl, combiner_parts, copy_attrs, map_vars,
                           placeholder, row_element_vars)
 from .rows import MAX_EPILOGUE_LANES, vector_lanes
@@ -34,20 +41,47 @@ def cooperative_slots(device: Device, threads: int) -> int:
     return device.sm_count * max(1, device.threads_per_sm // 2 // threads)
 
 
+@dataclass
+class _Reduction:
+    """One reduction of the chain: its block, state dtypes and identities, and how to merge."""
+
+    block: object
+    dtypes: list
+    identities: list  # one TVMScript literal per state value
+    combiner: str | None = None  # "+", "max" or "min" for a single value ...
+    value: object = None  # ... with the per-element value it folds in
+    combine: Callable | None = None  # or the registered merge rule of a multi-value state
+
+    @property
+    def outputs(self):
+        return [w.source for w in self.block.writes]
+
+
+def _reduction(block) -> _Reduction | None:
+    dtypes = [str(w.source.ty.dtype) for w in block.writes]
+    if len(dtypes) == 1:
+        parts = combiner_parts(block)
+        return None if parts is None else _Reduction(block, dtypes, [parts[2].script()], COMBINERS[parts[0]], parts[1])
+    rule = reducers.of(block)
+    if rule is None:
+        return None
+    combine, identity = rule
+    return _Reduction(block, dtypes, [e.script() for e in identity(*dtypes)], combine=combine)
+
+
 def _chain(pattern: ReducePattern):
-    """[(block, combiner, value, identity)] of the reductions, and the epilogue block; or None."""
+    """([_Reduction] of the reductions, the epilogue block), or None."""
     if pattern.num_spatial != 1 or pattern.row_outputs or pattern.epilogue is None:
         return None
     epilogue = pattern.sch.get(pattern.epilogue.block_rv)
-    reductions = [pattern.sch.get(info.block_rv) for info in pattern.reductions]
-    parts = [combiner_parts(block) for block in reductions]
-    if any(p is None for p in parts):
+    chain = [_reduction(pattern.sch.get(info.block_rv)) for info in pattern.reductions]
+    if any(r is None for r in chain):
         return None
     # the epilogue must walk [row, reduce dims...] in the reductions' order: we map its vars that way
-    row_dims = [int(iv.dom.extent) for iv in reductions[0].iter_vars]
+    row_dims = [int(iv.dom.extent) for iv in chain[0].block.iter_vars]
     if [const_int(iv.dom.extent) for iv in epilogue.iter_vars] != row_dims:
         return None
-    return [(block, *p) for block, p in zip(reductions, parts)], epilogue
+    return chain, epilogue
 
 
 def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
@@ -60,25 +94,28 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
     return {"strategy": NAME, "blocks_per_row": slots // rows, "threads": THREADS, "vec": vector_lanes(pattern)}
 
 
-def _template(func, reductions, rows, blocks, threads, vec, chunk, width, staged) -> str:
+def _template(func, chain, rows, blocks, threads, vec, chunk, width, staged) -> str:
     """The kernel as TVMScript; call_extern placeholders stand for the spliced values and epilogue.
 
     Placeholders get (row, position in the row, block, position in the block's chunk). With
     `staged` (an input's name), the block first copies its chunk of that input into shared memory
-    in 16-byte pieces, so HBM sees it once however many passes read it.
+    in 16-byte pieces, so HBM sees it once however many passes read it. State value c of
+    reduction i lives in gs_part{i}_{c} (this block's), gs_partials{i}_{c} (every block's, in
+    global memory) and gs_tot{i}_{c} (the row's).
     """
-    n_in, n_red, B, G = len(func.params) - 1, len(reductions), rows * blocks, blocks
+    n_in, B, G = len(func.params) - 1, rows * blocks, blocks
     i64 = lambda v: f"T.int64({v})"  # noqa: E731
+    G_, B_, T_ = i64(G), i64(B), i64(threads)
+    states = [(i, c, dtype) for i, r in enumerate(chain) for c, dtype in enumerate(r.dtypes)]
     params = [f"{p.name}: {buffer_decl(p)}" for p in func.params[:n_in]]
-    params += [f'gs_partials{i}: T.Buffer(({i64(B)},), "{dtype}")' for i, (dtype, _, _) in enumerate(reductions)]
+    params += [f'gs_partials{i}_{c}: T.Buffer(({B_},), "{dtype}")' for i, c, dtype in states]
     params.append(f"{func.params[-1].name}: {buffer_decl(func.params[-1])}")
     inputs = [f"{p.name}[{', '.join(f'0:{int(d)}' for d in p.shape)}]" for p in func.params[:n_in]]
     inputs += [f"gs_x[0:{i64(chunk)}]"] if staged else []
-    G_, B_, T_ = i64(G), i64(B), i64(threads)
     tail = chunk * blocks != width
     lines = ["@T.prim_func(s_tir=True)", f"def grid_sync({', '.join(params)}):"]
-    lines += [f'    gs_tot{i} = T.sblock_alloc_buffer(({B_},), "{d}", scope="shared")' for i, (d, _, _) in enumerate(reductions)]
-    lines += [f'    gs_part{i} = T.sblock_alloc_buffer(({B_},), "{d}", scope="shared")' for i, (d, _, _) in enumerate(reductions)]
+    lines += [f'    gs_{kind}{i}_{c} = T.sblock_alloc_buffer(({B_},), "{dtype}", scope="shared")'
+              for i, c, dtype in states for kind in ("tot", "part")]
     if staged:
         x = next(p for p in func.params if p.name == staged)
         lines.append(f'    gs_x = T.sblock_alloc_buffer(({i64(chunk)},), "{x.ty.dtype}", scope="shared.dyn")')
@@ -95,10 +132,25 @@ def _template(func, reductions, rows, blocks, threads, vec, chunk, width, staged
                         T.reads({staged}[vb // {G_}, vb % {G_} * {i64(chunk)} + ve])
                         T.writes(gs_x[ve])
                         gs_x[ve] = {staged}[vb // {G_}, vb % {G_} * {i64(chunk)} + ve]''')
-    for i, (dtype, combine, identity) in enumerate(reductions):
-        acc = (lambda x, y: f"{x} + {y}") if combine == "+" else (lambda x, y, c=combine: f"T.{c}({x}, {y})")
-        other = f'T.call_extern("{dtype}", "__ldcg", T.address_of(gs_partials{i}[vb // {G_} * {G_} + vj]))'
-        earlier = "".join(f", gs_tot{j}[vb]" for j in range(i))
+    for i, r in enumerate(chain):
+        own = range(len(r.dtypes))
+        part, tot = ", ".join(f"gs_part{i}_{c}[vb]" for c in own), ", ".join(f"gs_tot{i}_{c}[vb]" for c in own)
+        earlier = "".join(f", gs_tot{j}_{c}[vb]" for j in range(i) for c in range(len(chain[j].dtypes)))
+        partials = ", ".join(f"gs_partials{i}_{c}[vb // {G_} * {G_} + vj]" for c in own)
+        position = f"vb // {G_}, vb % {G_} * {i64(chunk)} + vk, vb, vk"
+        if r.combine is None:
+            acc = (lambda x, y: f"{x} + {y}") if r.combiner == "+" else (lambda x, y, c=r.combiner: f"T.{c}({x}, {y})")
+            dtype = r.dtypes[0]
+            value = f'T.call_extern("{dtype}", "gs_value{i}", {position})'
+            update = f"gs_part{i}_0[vb] = {acc(f'gs_part{i}_0[vb]', value)}"
+            other = f'T.call_extern("{dtype}", "__ldcg", T.address_of(gs_partials{i}_0[vb // {G_} * {G_} + vj]))'
+            merge = f"gs_tot{i}_0[vb] = {acc(f'gs_tot{i}_0[vb]', other)}"
+        else:  # the block's own update and the registered merge rule are spliced in
+            update = f'T.evaluate(T.call_extern("void", "gs_update{i}", {position}))'
+            merge = f'T.evaluate(T.call_extern("void", "gs_merge{i}", vb, vj))'
+        inits = "; ".join(f"gs_part{i}_{c}[vb] = {r.identities[c]}" for c in own)
+        tot_inits = "; ".join(f"gs_tot{i}_{c}[vb] = {r.identities[c]}" for c in own)
+        publish = "; ".join(f"gs_partials{i}_{c}[vb] = gs_part{i}_{c}[vb]" for c in own)
         # consecutive threads take consecutive elements: coalesced in HBM, conflict-free in shared memory
         lines.append(f'''
         for tx in T.thread_binding({T_}, thread="threadIdx.x"):
@@ -107,19 +159,19 @@ def _template(func, reductions, rows, blocks, threads, vec, chunk, width, staged
                     with T.sblock("gs_chunk{i}"):
                         vb = T.axis.spatial({B_}, bx)
                         vk = T.axis.reduce({i64(chunk)}, (o * {i64(vec)} + v) * {T_} + tx)
-                        T.reads({", ".join(inputs)}{earlier})
-                        T.writes(gs_part{i}[vb])
+                        T.reads({", ".join(inputs)}{earlier}, {part})
+                        T.writes({part})
                         with T.init():
-                            gs_part{i}[vb] = {identity}
-                        gs_part{i}[vb] = {acc(f"gs_part{i}[vb]", f'T.call_extern("{dtype}", "gs_value{i}", vb // {G_}, vb % {G_} * {i64(chunk)} + vk, vb, vk)')}
+                            {inits}
+                        {update}
         for tx in T.thread_binding({T_}, thread="threadIdx.x"):
             with T.sblock("gs_publish{i}"):
                 vb = T.axis.spatial({B_}, bx)
                 vt = T.axis.spatial({T_}, tx)
-                T.reads(gs_part{i}[vb])
-                T.writes(gs_partials{i}[vb])
+                T.reads({part})
+                T.writes({", ".join(f"gs_partials{i}_{c}[vb]" for c in own)})
                 if vt == T.int64(0):
-                    gs_partials{i}[vb] = gs_part{i}[vb]
+                    {publish}
                     T.evaluate(T.call_extern("void", "__threadfence"))
                 T.evaluate(T.call_extern("void", "{GRID_SYNC}"))
         for j in range({i64(-(-blocks // threads))}):
@@ -128,14 +180,14 @@ def _template(func, reductions, rows, blocks, threads, vec, chunk, width, staged
                     vb = T.axis.spatial({B_}, bx)
                     vj = T.axis.reduce({i64(-(-blocks // threads) * threads)}, j * {T_} + tx)
                     T.where(j * {T_} + tx < {G_})
-                    T.reads(gs_partials{i}[vb // {G_} * {G_} + vj])
-                    T.writes(gs_tot{i}[vb])
+                    T.reads({partials}, {tot})
+                    T.writes({tot})
                     with T.init():
-                        gs_tot{i}[vb] = {identity}
-                    gs_tot{i}[vb] = {acc(f"gs_tot{i}[vb]", other)}''')
+                        {tot_inits}
+                    {merge}''')
     lanes = 1 if tail else min(vec, MAX_EPILOGUE_LANES)
     out = func.params[-1]
-    totals = "".join(f", gs_tot{i}[vb]" for i in range(n_red))
+    totals = "".join(f", gs_tot{i}_{c}[vb]" for i, c, _ in states)
     lines.append(f'''
         for o in range({i64(chunk // (threads * lanes))}):
             for tx in T.thread_binding({T_}, thread="threadIdx.x"):
@@ -174,26 +226,37 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
     blocks = -(-width // chunk)
     if rows * blocks > cooperative_slots(device, threads):
         return None  # not co-resident: the cooperative launch would be refused
+    if chunk * blocks != width and any(r.combine is not None for r in chain):
+        return None  # a multi-value state cannot mask the overhang of the last chunk with an identity
     func = pattern.sch.mod["main"]
     staged = _staged_input(pattern, chunk, device) if knobs.get("cache", True) else None
-    reductions = [(str(b.writes[0].source.ty.dtype), COMBINERS[c], ident.script()) for b, c, _, ident in chain]
-    grid = tvm.script.from_source(_template(func, reductions, rows, blocks, threads, vec, chunk, width, staged))
+    grid = tvm.script.from_source(_template(func, chain, rows, blocks, threads, vec, chunk, width, staged))
 
     buffers = dict(zip(func.params, list(grid.params[:len(func.params) - 1]) + [grid.params[-1]]))
     local = {}
     tvm_ffi.structural_walk(grid.body, (s_tir.SBlock, lambda b: local.update(
         {buf.name: buf for buf in b.alloc_buffers})), order="pre")
+    partials = {p.name: p for p in grid.params if p.name.startswith("gs_partials")}
 
-    def resolve(expr, block, row, k, vb, ve):
+    def state_loads(e, kind, i, vb):
+        """A load of reduction i's state value c, as gs_{kind}{i}_{c}[vb]; None for other loads."""
+        for c, out in enumerate(chain[i].outputs):
+            if e.source.same_as(out):
+                return tirx.BufferLoad(local[f"gs_{kind}{i}_{c}"], [vb])
+        return None
+
+    def resolve(expr, block, row, k, vb, ve, own=None):
         """`expr` of `block` at (row, k): inputs renamed, the staged one read from shared memory,
-        earlier reductions read from their totals."""
-        own = [iv.var for iv in block.iter_vars]
+        earlier reductions read from their totals, reduction `own`'s state from this block's part."""
+        elements = [iv.var for iv in block.iter_vars]
 
         def load(e):
-            for i, (b, *_) in enumerate(chain):
-                if e.source.same_as(b.writes[0].source):
-                    return tirx.BufferLoad(local[f"gs_tot{i}"], [vb])
-            at_element = len(e.indices) == len(own) and all(i.same_as(v) for i, v in zip(e.indices, own))
+            if own is not None and (part := state_loads(e, "part", own, vb)) is not None:
+                return part
+            for i in range(len(chain)):
+                if (total := state_loads(e, "tot", i, vb)) is not None:
+                    return total
+            at_element = len(e.indices) == len(elements) and all(i.same_as(v) for i, v in zip(e.indices, elements))
             if staged and e.source.name == staged and at_element:
                 return tirx.BufferLoad(local["gs_x"], [ve])
             return e
@@ -201,13 +264,41 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
         expr = tvm_ffi.structural_map(expr, (tvm.ir.TensorLoad, load))
         return map_vars(expr, {**buffers, **row_element_vars(block, row, k)})
 
+    def index_of(name: str, prefix: str) -> int:
+        return int(name.removeprefix(prefix))
+
     def splice_value(call):
-        block, _, value, identity = chain[int(call.args[0].value.removeprefix("gs_value"))]
+        r = chain[index_of(call.args[0].value, "gs_value")]
         row, k, vb, ve = call.args[1:5]
-        spliced = resolve(value, block, row, k, vb, ve)
+        spliced = resolve(r.value, r.block, row, k, vb, ve)
         # a predicate (T.where) on a reduction block that mentions blockIdx stops TVM's
         # cross-thread lowering, so the last block's overhang is masked in the value instead
-        return spliced if chunk * blocks == width else tirx.if_then_else(k < width, spliced, identity)
+        return spliced if chunk * blocks == width else tirx.if_then_else(k < width, spliced, r.block.init.value)
+
+    def splice_update(i, args):
+        """The block's own update (Binds, then stores), on this block's part of the state."""
+        r = chain[i]
+        row, k, vb, ve = args
+
+        def stmt(st):
+            if isinstance(st, tirx.Bind):
+                return tirx.Bind(st.var, resolve(st.value, r.block, row, k, vb, ve, own=i))
+            c = [j for j, out in enumerate(r.outputs) if out.same_as(st.buffer)][0]
+            return tirx.BufferStore(local[f"gs_part{i}_{c}"], resolve(st.value, r.block, row, k, vb, ve, own=i), [vb])
+
+        return tirx.SeqStmt([stmt(st) for st in r.block.body.seq])
+
+    def splice_merge(i, vb, vj):
+        """gs_tot = combine(gs_tot, partial of block vj of the row), in the form TVM matches reducers by."""
+        r, G = chain[i], tirx.const(blocks, "int64")
+        mine = [tirx.BufferLoad(local[f"gs_tot{i}_{c}"], [vb]) for c in range(len(r.dtypes))]
+        other = [tirx.call_extern(dtype, "__ldcg", tirx.address_of(tirx.BufferLoad(partials[f"gs_partials{i}_{c}"],
+                                                                                   [vb // G * G + vj])))
+                 for c, dtype in enumerate(r.dtypes)]
+        merged = r.combine(mine, other)
+        names = [tirx.Var(f"gs_merged{i}_{c}", dtype) for c, dtype in enumerate(r.dtypes)]
+        return tirx.SeqStmt([tirx.Bind(v, e) for v, e in zip(names, merged)]
+                            + [tirx.BufferStore(local[f"gs_tot{i}_{c}"], v, [vb]) for c, v in enumerate(names)])
 
     def splice_epilogue(stmt):
         row, k, vb, ve = stmt.value.args[1:5]
@@ -215,12 +306,24 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
         return tirx.BufferStore(buffers.get(store.buffer, store.buffer), resolve(store.value, epilogue, row, k, vb, ve),
                                 [map_vars(i, row_element_vars(epilogue, row, k)) for i in store.indices])
 
-    is_epilogue = placeholder("gs_epilogue")
+    def splice_statement(st):
+        if not (isinstance(st.value, tvm.ir.Call) and isinstance(st.value.op, tvm.ir.Op)
+                and st.value.op.name == "tirx.call_extern"):
+            return st
+        name = str(st.value.args[0].value)
+        if name == "gs_epilogue":
+            return splice_epilogue(st)
+        if name.startswith("gs_update"):
+            return splice_update(index_of(name, "gs_update"), st.value.args[1:5])
+        if name.startswith("gs_merge"):
+            return splice_merge(index_of(name, "gs_merge"), *st.value.args[1:3])
+        return st
+
     is_value = lambda e: isinstance(e.op, tvm.ir.Op) and e.op.name == "tirx.call_extern" and str(  # noqa: E731
         e.args[0].value).startswith("gs_value")
     body = tvm_ffi.structural_map(grid.body, [
         (tvm.ir.Call, lambda e: splice_value(e) if is_value(e) else e),
-        (tirx.Evaluate, lambda s: splice_epilogue(s) if isinstance(s.value, tvm.ir.Call) and is_epilogue(s.value) else s),
+        (tirx.Evaluate, splice_statement),
     ])
-    workspace = [([rows * blocks], dtype) for dtype, _, _ in reductions]
+    workspace = [([rows * blocks], dtype) for r in chain for dtype in r.dtypes]
     return s_tir.Schedule(copy_attrs(grid.with_body(body).with_attr(ZEROED_INPUTS, workspace), func))

@@ -16,17 +16,22 @@ from tvm_ext.passes.cooperative_launch import COOPERATIVE_LAUNCH, DYNAMIC_SHARED
 from tvm_ext.pipeline import fused_reduce_functions
 
 TARGET = tvm_ext.parse_target(CUDA_TARGET)
-# (op, shape, dtype, reductions): each reduction is one grid barrier. LayerNorm in two passes:
-# grid_sync does not carry a Welford state (three values) through its barriers yet.
+# (op, shape, dtype, reductions): each reduction is one grid barrier. LayerNorm's statistics are
+# one Welford reduction (three values through the barrier); over a width with a tail chunk
+# (200003) it is built in two passes: a Welford state cannot mask the overhang.
 CASES = [("rms_norm", [16, 262144], "bfloat16", 1), ("softmax", [8, 131072], "float16", 2),
-         ("layer_norm", [4, 200003], "float32", 2)]
-OPTIONS = {"layer_norm": {"variance": "two_pass"}}
+         ("layer_norm", [8, 262144], "float16", 1), ("layer_norm", [4, 200003], "float32", 2)]
+
+
+def options(op, shape):
+    return {"variance": "two_pass"} if op == "layer_norm" and shape[-1] % 4096 else {}
 _built = {}
 
 
 def build(op, shape, dtype):
     """(executable, CUDA source, launch params of each device kernel) for one case."""
     key = (op, tuple(shape), dtype)
+    opts = options(op, shape)
     if key not in _built:
         launch = {}
 
@@ -37,7 +42,7 @@ def build(op, shape, dtype):
 
         tvm_ext.register_tir_pass(record, phase="late")  # after the built-in cooperative_launch pass
         try:
-            ex = tvm_ext.build(relax_module(op, shape, dtype), CUDA_TARGET, **OPTIONS.get(op, {}))
+            ex = tvm_ext.build(relax_module(op, shape, dtype), CUDA_TARGET, **opts)
         finally:
             tvm_ext.unregister_tir_pass(record)
         _built[key] = (ex, tvm_ext.cuda_source(ex), launch)
@@ -47,7 +52,7 @@ def build(op, shape, dtype):
 @pytest.mark.parametrize("op, shape, dtype, _", CASES)
 def test_few_huge_rows_with_element_epilogue_choose_grid_sync(op, shape, dtype, _):
     module = relax_module(op, shape, dtype)
-    (plan,) = [schedules.plan(f, TARGET) for f in fused_reduce_functions(module, TARGET, **OPTIONS.get(op, {})).values()]
+    (plan,) = [schedules.plan(f, TARGET) for f in fused_reduce_functions(module, TARGET, **options(op, shape)).values()]
     ((condition, knobs),) = plan
     assert condition is None and knobs["strategy"] == "grid_sync"
     assert shape[0] * knobs["blocks_per_row"] <= 132 * 2, "the grid must be co-resident (2 blocks of 512 per SM)"
@@ -66,7 +71,7 @@ def test_one_kernel_one_grid_barrier_per_reduction_launched_cooperatively(op, sh
     assert src.startswith("#include <cooperative_groups.h>\n")
     body = re.search(rf"{kernel}\([^)]*\) \{{(.*?)\n\}}", src, re.S).group(1)
     assert body.count("cooperative_groups::this_grid().sync();") == reductions
-    assert body.count("__ldcg(") == reductions, "partials of other blocks are read past L1"
+    assert body.count("__ldcg(") >= reductions, "partials of other blocks are read past L1"
     tags = launch[kernel]
     assert COOPERATIVE_LAUNCH in tags
     assert DYNAMIC_SHARED_MEMORY not in tags or tags[-1] == DYNAMIC_SHARED_MEMORY, "TVM wants that tag last"
@@ -94,3 +99,10 @@ def test_compiles_with_at_most_64_registers(op, shape, dtype, _, tmp_path):
                          capture_output=True, text=True, check=True)
     registers = [int(r) for r in re.findall(r"Used (\d+) registers", out.stdout + out.stderr)]
     assert registers and max(registers) <= 64, out.stderr
+
+
+def test_welford_state_crosses_the_grid_barrier_as_three_values():
+    _, src, _ = build("layer_norm", [8, 262144], "float16")
+    assert all(f"gs_partials0_{c}_ptr[((int)blockIdx.x)] = gs_part0_{c}_ptr[0];" in src for c in range(3))
+    merged = re.search(r"float gs_merged0_1 = (.*);", src).group(1)  # the mean: mean_a + (mean_b - mean_a) n_b / n
+    assert "__ldcg((&(gs_partials0_2_ptr[" in merged and "__fdividef(" in merged

@@ -23,6 +23,8 @@ from tvm import relax, te, tirx, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.target import Target
 
+from schedules import reducers
+
 _COMBINER, _IDENTITY = "tvm_ext.welford_combine", "tvm_ext.welford_identity"
 _PAIR_SUM, _PAIR_ZERO = "tvm_ext.pair_sum", "tvm_ext.pair_zero"
 
@@ -53,7 +55,8 @@ def _pair_sum(a, b):
 
 
 def register() -> None:
-    """Teach the schedule's reducer matcher the Welford and (sum, sum of squares) combiners.
+    """Teach the schedule's reducer matcher the Welford and (sum, sum of squares) combiners, and
+    the grid templates the Welford merge (schedules.reducers).
 
     Idempotent. The callbacks are global functions so that they outlive the interpreter's shutdown.
     """
@@ -65,6 +68,7 @@ def register() -> None:
     tvm_ffi.register_global_func(_PAIR_ZERO, lambda v: identity(*[e.ty for e in v]))
     register_reducer = tvm.get_global_func("s_tir.schedule.RegisterReducer")
     register_reducer(3, tvm.get_global_func(_COMBINER), tvm.get_global_func(_IDENTITY))
+    reducers.register("welford", combine, identity)
     register_reducer(2, tvm.get_global_func(_PAIR_SUM), tvm.get_global_func(_PAIR_ZERO))
 
 
@@ -96,7 +100,8 @@ def _welford_state(x, axes: list[int]):
     one, zero = tirx.const(1, "float32"), tirx.const(0, "float32")
     first = [tirx.const(0, k.var.ty.dtype) for k in ks]
     pivot = te.compute(kept, lambda *i: element(i, first), name="pivot")
-    m2, mean, _ = te.compute(kept, lambda *i: _welford((zero, element(i) - pivot(*i), one), axis=ks), name="welford")
+    m2, mean, _ = te.compute(kept, lambda *i: _welford((zero, element(i) - pivot(*i), one), axis=ks), name="welford",
+                             attrs={reducers.ANNOTATION: "welford"})
     mean = te.compute(kept, lambda *i: mean(*i) + pivot(*i), name="shifted_mean")
     return m2, mean, count
 
