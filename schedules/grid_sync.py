@@ -100,15 +100,21 @@ def _template(func, chain, rows, blocks, threads, vec, chunk, width, staged) -> 
     Placeholders get (row, position in the row, block, position in the block's chunk). With
     `staged` (an input's name), the block first copies its chunk of that input into shared memory
     in 16-byte pieces, so HBM sees it once however many passes read it. State value c of
-    reduction i lives in gs_part{i}_{c} (this block's), gs_partials{i}_{c} (every block's, in
-    global memory) and gs_tot{i}_{c} (the row's).
+    reduction i lives in gs_part{i}_{c} (this block's), a slice of the workspace gs_ws_<dtype>
+    (every block's, in global memory; see _workspace) and gs_tot{i}_{c} (the row's).
     """
     n_in, B, G = len(func.params) - 1, rows * blocks, blocks
     i64 = lambda v: f"T.int64({v})"  # noqa: E731
     G_, B_, T_ = i64(G), i64(B), i64(threads)
     states = [(i, c, dtype) for i, r in enumerate(chain) for c, dtype in enumerate(r.dtypes)]
     params = [f"{p.name}: {buffer_decl(p)}" for p in func.params[:n_in]]
-    params += [f'gs_partials{i}_{c}: T.Buffer(({B_},), "{dtype}")' for i, c, dtype in states]
+    slots, sizes = _workspace(chain, B)
+    params += [f'gs_ws_{dtype}: T.Buffer(({i64(size)},), "{dtype}")' for dtype, size in sizes.items()]
+
+    def partial(i, c, index):
+        dtype, offset = slots[(i, c)]
+        return f"gs_ws_{dtype}[{i64(offset)} + {index}]"
+
     params.append(f"{func.params[-1].name}: {buffer_decl(func.params[-1])}")
     inputs = [f"{p.name}[{', '.join(f'0:{int(d)}' for d in p.shape)}]" for p in func.params[:n_in]]
     inputs += [f"gs_x[0:{i64(chunk)}]"] if staged else []
@@ -136,21 +142,21 @@ def _template(func, chain, rows, blocks, threads, vec, chunk, width, staged) -> 
         own = range(len(r.dtypes))
         part, tot = ", ".join(f"gs_part{i}_{c}[vb]" for c in own), ", ".join(f"gs_tot{i}_{c}[vb]" for c in own)
         earlier = "".join(f", gs_tot{j}_{c}[vb]" for j in range(i) for c in range(len(chain[j].dtypes)))
-        partials = ", ".join(f"gs_partials{i}_{c}[vb // {G_} * {G_} + vj]" for c in own)
+        partials = ", ".join(partial(i, c, f"vb // {G_} * {G_} + vj") for c in own)
         position = f"vb // {G_}, vb % {G_} * {i64(chunk)} + vk, vb, vk"
         if r.combine is None:
             acc = (lambda x, y: f"{x} + {y}") if r.combiner == "+" else (lambda x, y, c=r.combiner: f"T.{c}({x}, {y})")
             dtype = r.dtypes[0]
             value = f'T.call_extern("{dtype}", "gs_value{i}", {position})'
             update = f"gs_part{i}_0[vb] = {acc(f'gs_part{i}_0[vb]', value)}"
-            other = f'T.call_extern("{dtype}", "__ldcg", T.address_of(gs_partials{i}_0[vb // {G_} * {G_} + vj]))'
+            other = f'T.call_extern("{dtype}", "__ldcg", T.address_of({partial(i, 0, f"vb // {G_} * {G_} + vj")}))'
             merge = f"gs_tot{i}_0[vb] = {acc(f'gs_tot{i}_0[vb]', other)}"
         else:  # the block's own update and the registered merge rule are spliced in
             update = f'T.evaluate(T.call_extern("void", "gs_update{i}", {position}))'
             merge = f'T.evaluate(T.call_extern("void", "gs_merge{i}", vb, vj))'
         inits = "; ".join(f"gs_part{i}_{c}[vb] = {r.identities[c]}" for c in own)
         tot_inits = "; ".join(f"gs_tot{i}_{c}[vb] = {r.identities[c]}" for c in own)
-        publish = "; ".join(f"gs_partials{i}_{c}[vb] = gs_part{i}_{c}[vb]" for c in own)
+        publish = "; ".join(f"{partial(i, c, 'vb')} = gs_part{i}_{c}[vb]" for c in own)
         # consecutive threads take consecutive elements: coalesced in HBM, conflict-free in shared memory
         lines.append(f'''
         for tx in T.thread_binding({T_}, thread="threadIdx.x"):
@@ -169,7 +175,7 @@ def _template(func, chain, rows, blocks, threads, vec, chunk, width, staged) -> 
                 vb = T.axis.spatial({B_}, bx)
                 vt = T.axis.spatial({T_}, tx)
                 T.reads({part})
-                T.writes({", ".join(f"gs_partials{i}_{c}[vb]" for c in own)})
+                T.writes({", ".join(partial(i, c, "vb") for c in own)})
                 if vt == T.int64(0):
                     {publish}
                     T.evaluate(T.call_extern("void", "__threadfence"))
@@ -200,6 +206,21 @@ def _template(func, chain, rows, blocks, threads, vec, chunk, width, staged) -> 
                         T.writes({out.name}[{", ".join(f"0:{int(d)}" for d in out.shape)}])
                         T.evaluate(T.call_extern("void", "gs_epilogue", vb // {G_}, vb % {G_} * {i64(chunk)} + ve, vb, ve))''')
     return "\n".join(lines) + "\n"
+
+
+def _workspace(chain, blocks: int):
+    """Where every block's partial states live: ({(reduction, value): (dtype, offset)}, {dtype: size}).
+
+    One buffer per dtype, each state value a slice of it: the pipeline passes these buffers as
+    zero-filled constants, and the VM shares equal constants, so separate same-sized buffers
+    of one dtype would be one memory (seen: LayerNorm's three Welford values overwrote each other).
+    """
+    slots, sizes = {}, {}
+    for i, r in enumerate(chain):
+        for c, dtype in enumerate(r.dtypes):
+            slots[(i, c)] = (dtype, sizes.get(dtype, 0))
+            sizes[dtype] = sizes.get(dtype, 0) + blocks
+    return slots, sizes
 
 
 def _staged_input(pattern: ReducePattern, chunk: int, device: Device) -> str | None:
@@ -236,7 +257,8 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
     local = {}
     tvm_ffi.structural_walk(grid.body, (s_tir.SBlock, lambda b: local.update(
         {buf.name: buf for buf in b.alloc_buffers})), order="pre")
-    partials = {p.name: p for p in grid.params if p.name.startswith("gs_partials")}
+    workspace = {p.name: p for p in grid.params if p.name.startswith("gs_ws_")}
+    slots, sizes = _workspace(chain, rows * blocks)
 
     def state_loads(e, kind, i, vb):
         """A load of reduction i's state value c, as gs_{kind}{i}_{c}[vb]; None for other loads."""
@@ -292,9 +314,9 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
         """gs_tot = combine(gs_tot, partial of block vj of the row), in the form TVM matches reducers by."""
         r, G = chain[i], tirx.const(blocks, "int64")
         mine = [tirx.BufferLoad(local[f"gs_tot{i}_{c}"], [vb]) for c in range(len(r.dtypes))]
-        other = [tirx.call_extern(dtype, "__ldcg", tirx.address_of(tirx.BufferLoad(partials[f"gs_partials{i}_{c}"],
-                                                                                   [vb // G * G + vj])))
-                 for c, dtype in enumerate(r.dtypes)]
+        other = [tirx.call_extern(dtype, "__ldcg", tirx.address_of(tirx.BufferLoad(
+            workspace[f"gs_ws_{dtype}"], [tirx.const(slots[(i, c)][1], "int64") + vb // G * G + vj])))
+            for c, dtype in enumerate(r.dtypes)]
         merged = r.combine(mine, other)
         names = [tirx.Var(f"gs_merged{i}_{c}", dtype) for c, dtype in enumerate(r.dtypes)]
         return tirx.SeqStmt([tirx.Bind(v, e) for v, e in zip(names, merged)]
@@ -325,5 +347,5 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
         (tvm.ir.Call, lambda e: splice_value(e) if is_value(e) else e),
         (tirx.Evaluate, splice_statement),
     ])
-    workspace = [([rows * blocks], dtype) for r in chain for dtype in r.dtypes]
-    return s_tir.Schedule(copy_attrs(grid.with_body(body).with_attr(ZEROED_INPUTS, workspace), func))
+    zeroed = [([size], dtype) for dtype, size in sizes.items()]
+    return s_tir.Schedule(copy_attrs(grid.with_body(body).with_attr(ZEROED_INPUTS, zeroed), func))
