@@ -39,7 +39,8 @@ def markdown(result: dict) -> str:
         ours = by_impl.get("ours", {})
         speed = lambda other: (f"{by_impl[other]['us'] / ours['us']:.2f}x"  # noqa: E731
                                if "us" in by_impl.get(other, {}) and "us" in ours else "-")
-        gbps = [f"{by_impl[i]['gbps']:.0f}" if "gbps" in by_impl.get(i, {}) else "fail" for i in impls]
+        gbps = [f"{by_impl[i]['gbps']:.0f}" if "gbps" in by_impl.get(i, {}) else "fail" if i in by_impl else "-"
+                for i in impls]
         pct = f"{100 * ours['gbps'] / result['copy_gbps']:.0f}%" if "gbps" in ours else "-"
         err = f"{ours['max_abs_err']:.2g}" if "max_abs_err" in ours else "-"
         kern = f"{ours.get('kernels', '-')}/{by_impl.get('tvm_dlight', {}).get('kernels', '-')}"

@@ -187,16 +187,24 @@ def copy_attrs(template: tirx.PrimFunc, func: tirx.PrimFunc) -> tirx.PrimFunc:
     return template
 
 
-def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule | None:
-    found = _reduction(pattern)
+def grid_split(pattern: ReducePattern, device: Device, knobs: dict) -> tuple | None:
+    """(rows, width, blocks per row, threads, vec, chunk) for static rows split over blocks: each
+    block takes a chunk of whole threads x vec steps (so the block count may come out lower)."""
     rows, width = const_int(pattern.row_count), const_int(pattern.reduce_extent)
-    if not device.is_gpu or pattern.layout != ROW or found is None or rows is None or width is None:
+    if not device.is_gpu or pattern.layout != ROW or rows is None or width is None:
         return None
-    block, combiner, value, identity = found
     blocks, threads, vec = int(knobs["blocks_per_row"]), int(knobs["threads"]), int(knobs.get("vec", 1))
     step = threads * vec
-    chunk = -(-(-(-width // blocks)) // step) * step  # a row's share per block, whole steps
-    blocks = -(-width // chunk)
+    chunk = -(-(-(-width // blocks)) // step) * step
+    return rows, width, -(-width // chunk), threads, vec, chunk
+
+
+def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule | None:
+    found, split = _reduction(pattern), grid_split(pattern, device, knobs)
+    if found is None or split is None:
+        return None
+    block, combiner, value, identity = found
+    rows, width, blocks, threads, vec, chunk = split
     func = pattern.sch.mod["main"]
     acc_dtype = str(block.writes[0].source.ty.dtype)
     combine = COMBINERS[combiner]

@@ -27,8 +27,8 @@ from tvm import s_tir, tirx
 from .analysis import ROW, ReducePattern, const_int
 from .device import Device
 from . import reducers
-from .grid_reduce import (COMBINERS, MIN_ROW, ZEROED_INPUTS, buffer_decl, combiner_parts, copy_attrs, map_vars,
-                          placeholder, row_element_vars)
+from .grid_reduce import (COMBINERS, MIN_ROW, ZEROED_INPUTS, buffer_decl, combiner_parts, copy_attrs, grid_split,
+                          map_vars, row_element_vars)
 from .rows import MAX_EPILOGUE_LANES, vector_lanes
 
 NAME = "grid_sync"
@@ -236,15 +236,11 @@ def _staged_input(pattern: ReducePattern, chunk: int, device: Device) -> str | N
 
 
 def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule | None:
-    found = _chain(pattern)
-    rows, width = const_int(pattern.row_count), const_int(pattern.reduce_extent)
-    if not device.is_gpu or pattern.layout != ROW or found is None or rows is None or width is None:
+    found, split = _chain(pattern), grid_split(pattern, device, knobs)
+    if found is None or split is None:
         return None
     chain, epilogue = found
-    blocks, threads, vec = int(knobs["blocks_per_row"]), int(knobs["threads"]), int(knobs.get("vec", 1))
-    step = threads * vec
-    chunk = -(-(-(-width // blocks)) // step) * step  # a row's share per block, whole steps
-    blocks = -(-width // chunk)
+    rows, width, blocks, threads, vec, chunk = split
     if rows * blocks > cooperative_slots(device, threads):
         return None  # not co-resident: the cooperative launch would be refused
     if chunk * blocks != width and any(r.combine is not None for r in chain):
