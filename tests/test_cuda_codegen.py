@@ -98,3 +98,18 @@ def test_no_barrier_under_a_thread_dependent_branch(case):
 def test_odd_widths_have_no_divergent_barrier(op, dtype, width):
     src = tvm_ext.cuda_source(tvm_ext.build(relax_module(op, [37, width], dtype), CUDA_TARGET))
     assert divergent_barriers(src) == []
+
+
+def test_kernels_declaring_one_dynamic_shared_name_with_two_types_get_their_own_names():
+    from examples.transformer_norms import build_module  # noqa: PLC0415
+
+    # LayerNorm stages x as float, RMSNorm as float4: TVM names both arrays x_shared_dyn_ptr
+    src = tvm_ext.cuda_source(tvm_ext.build(build_module(), CUDA_TARGET))
+    declared = re.findall(r"extern __shared__ __align__\(\d+\) (\w+) (\w+)\[\];", src)
+    names = {}
+    for dtype, name in declared:
+        names.setdefault(name, set()).add(dtype)
+    assert len(declared) >= 2 and all(len(dtypes) == 1 for dtypes in names.values()), declared
+    if shutil.which("nvcc"):
+        with tvm_ext.parse_target(CUDA_TARGET):
+            assert bytes(nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")[:4]) == b"\x7fELF"

@@ -55,7 +55,8 @@ tirx.register_tir_pipeline(TIR_PIPELINE, _tir_pipeline)
 
 
 def _register_builtin_passes() -> None:
-    from .cooperative_launch import cooperative_launch, register_source_hook  # noqa: PLC0415
+    from .cooperative_launch import cooperative_launch  # noqa: PLC0415
+    from .source_hook import register_source_hook  # noqa: PLC0415
     from .welford_lower import welford_lower  # noqa: PLC0415
 
     register_tir_pass(cooperative_launch, phase="late")

@@ -8,9 +8,8 @@ CUDA codegen prints as `cooperative_groups::this_grid().sync();`. Two things mak
   `tirx.kernel_launch_params` carry the tag "tirx.use_cooperative_launch"; the late-phase pass
   below adds the tag to every device kernel that calls the barrier. The tag travels with the
   exported module, so a deployed library launches the same way.
-- the source must include <cooperative_groups.h>: TVM's codegen hook `tvm_callback_cuda_postproc`
-  (called on every generated CUDA source) adds it where the barrier is used, after running
-  whatever hook was registered before.
+- the source must include <cooperative_groups.h>: `with_header` adds it, from the CUDA source
+  hook (passes/source_hook.py).
 """
 
 from __future__ import annotations
@@ -48,12 +47,6 @@ def cooperative_launch(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     return mod
 
 
-def register_source_hook() -> None:
-    """Add the header to generated CUDA source that uses the barrier (chained to any earlier hook)."""
-    earlier = tvm_ffi.get_global_func("tvm_callback_cuda_postproc", allow_missing=True)
-
-    def postproc(code, target):
-        code = earlier(code, target) if earlier is not None else code
-        return HEADER + code if GRID_SYNC + "()" in code and HEADER not in code else code
-
-    tvm_ffi.register_global_func("tvm_callback_cuda_postproc", postproc, override=True)
+def with_header(code: str) -> str:
+    """`code` with <cooperative_groups.h> included where it calls the grid barrier."""
+    return HEADER + code if GRID_SYNC + "()" in code and HEADER not in code else code

@@ -1,0 +1,48 @@
+"""Last fixes to generated CUDA source, through TVM's codegen hook `tvm_callback_cuda_postproc`.
+
+TVM calls the hook on every CUDA source it generates (the source an exported module carries and
+NVRTC or nvcc compile at load). Ours runs whatever hook was registered before, then:
+
+- includes <cooperative_groups.h> where a kernel calls the grid barrier (cooperative_launch.py);
+- gives each kernel its own name for a dynamic shared-memory array that two kernels of the source
+  declare with different element types (`extern __shared__ float x_shared_dyn_ptr[]` in one,
+  `float4` in another): TVM names the array after the staged tensor, nvcc rejects the clash.
+"""
+
+from __future__ import annotations
+
+import re
+
+import tvm_ffi
+
+from .cooperative_launch import with_header
+
+_EXTERN_SHARED = re.compile(r"extern __shared__ __align__\(\d+\) (\w+) (\w+)\[\];")
+_KERNEL_START = re.compile(r'extern "C" __global__ void [^;{]*\{')
+
+
+def unique_dynamic_shared(code: str) -> str:
+    types: dict = {}
+    for dtype, name in _EXTERN_SHARED.findall(code):
+        types.setdefault(name, set()).add(dtype)
+    clashing = [name for name, dtypes in types.items() if len(dtypes) > 1]
+    if not clashing:
+        return code
+    starts = [m.start() for m in _KERNEL_START.finditer(code)] + [len(code)]
+    pieces = [code[:starts[0]]]
+    for k, (begin, end) in enumerate(zip(starts, starts[1:])):
+        kernel = code[begin:end]
+        for name in clashing:
+            kernel = re.sub(rf"\b{name}\b", f"{name}_k{k}", kernel)
+        pieces.append(kernel)
+    return "".join(pieces)
+
+
+def register_source_hook() -> None:
+    earlier = tvm_ffi.get_global_func("tvm_callback_cuda_postproc", allow_missing=True)
+
+    def postproc(code, target):
+        code = earlier(code, target) if earlier is not None else code
+        return unique_dynamic_shared(with_header(code))
+
+    tvm_ffi.register_global_func("tvm_callback_cuda_postproc", postproc, override=True)
