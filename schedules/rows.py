@@ -56,9 +56,16 @@ def estimated_registers(pattern: ReducePattern) -> int:
     return 32 if len(reads) <= 3 else 40
 
 
+def stage_is_bounded(pattern: ReducePattern, rows_per_block: int) -> bool:
+    """Whether TVM can size a shared-memory stage of `rows_per_block` rows by the block's rows: with a
+    symbolic row count and several rows per block it sizes it by the whole tensor instead (seen on
+    the H200: the example model's n x 512 stage failed to launch at n = 77)."""
+    return rows_per_block == 1 or const_int(pattern.row_count) is not None
+
+
 def worth_caching(pattern: ReducePattern, rows_per_block: int = 1) -> bool:
     size = row_bytes(pattern, cached_inputs(pattern))
-    return bool(size) and size * rows_per_block <= SMEM_CACHE_LIMIT
+    return bool(size) and size * rows_per_block <= SMEM_CACHE_LIMIT and stage_is_bounded(pattern, rows_per_block)
 
 
 def _spread(sch: s_tir.Schedule, loops, threads: int, vec: int, vectorize: bool):
@@ -102,6 +109,8 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
     on the H200: bench/results/h200-2026-11-21-sweep-reduce-vec.log).
     """
     reduce_vec = reduce_vec or vec
+    if cache and not stage_is_bounded(pattern, rows_per_block):
+        return None
     sch, ns = pattern.sch, pattern.num_spatial
     last = pattern.blocks[-1]
     outputs = [info.block_rv for info in pattern.row_outputs] + [last.block_rv]
