@@ -33,10 +33,10 @@ print("leaked", leaked, "compiler library loaded", compiler)
 """
 
 
-def deploy_round_trip(tmp_path, rng, target, device, env):
-    """Build, export, run here and in a fresh process; returns (input, output here)."""
-    so = tvm_ext.export(tvm_ext.build(relax_module("softmax", ["n", 300], "float32"), target), tmp_path / "sm.so")
-    x = rng.standard_normal((7, 300)).astype("float32")
+def deploy_round_trip(tmp_path, rng, target, device, env, shape=(7, 300), dims=("n", 300)):
+    """Build a softmax over `dims`, export, run it on `shape` here and in a fresh process; returns its stdout."""
+    so = tvm_ext.export(tvm_ext.build(relax_module("softmax", list(dims), "float32"), target), tmp_path / "sm.so")
+    x = rng.standard_normal(shape).astype("float32")
     dev = tvm.device(device)
     expected = VirtualMachine(tvm.runtime.load_module(so), dev)["main"](tvm.runtime.tensor(x, dev)).numpy()
     np.save(tmp_path / "x.npy", x)
@@ -59,6 +59,27 @@ def test_export_then_fresh_runtime_only_process_gives_same_numbers(tmp_path, rng
 def test_cuda_export_runs_in_a_fresh_process_without_the_project(tmp_path, rng):
     out = deploy_round_trip(tmp_path, rng, "cuda", "cuda", {})
     assert "leaked []" in out
+
+
+@pytest.mark.gpu
+def test_exported_cooperative_kernel_keeps_its_launch_and_header(tmp_path, rng):
+    # 4 static rows of 262144: grid_sync, one cooperative launch with <cooperative_groups.h>
+    so = tvm_ext.build(relax_module("softmax", [4, 262144], "float32"), "cuda")
+    assert "cooperative_groups::this_grid().sync();" in tvm_ext.cuda_source(so)
+    out = deploy_round_trip(tmp_path, rng, "cuda", "cuda", {}, shape=(4, 262144), dims=(4, 262144))
+    assert "leaked []" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 77, 300])
+def test_example_model_on_gpu(rows, rng):
+    from examples.transformer_norms import build_module, inputs, reference  # noqa: PLC0415
+
+    vm = VirtualMachine(tvm_ext.build(build_module(), "cuda"), tvm.cuda(0))
+    arrays = inputs(rows, rng)
+    outs = vm["main"](*[tvm.runtime.tensor(a, tvm.cuda(0)) for a in arrays])
+    for out, ref in zip(outs, reference(*arrays)):
+        np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-4)
 
 
 def test_load_and_export_name_bad_paths(tmp_path):
