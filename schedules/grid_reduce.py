@@ -167,12 +167,14 @@ def map_vars(expr, mapping):
 
 
 def row_element_vars(block, row, k) -> dict:
-    """Map a [row, reduce...] block's iter vars to row `row` and flat position `k` in the row."""
+    """Map a [row, reduce...] block's iter vars to row `row` and flat position `k` in the row (a
+    block over rows alone takes the row only)."""
     first, *rest_vars = block.iter_vars
     mapping, rest = {first.var: row}, k
     for iv in reversed(rest_vars[1:]):
         mapping[iv.var], rest = rest % int(iv.dom.extent), rest // int(iv.dom.extent)
-    mapping[rest_vars[0].var] = rest
+    if rest_vars:
+        mapping[rest_vars[0].var] = rest
     return mapping
 
 

@@ -70,7 +70,10 @@ def _reduction(block) -> _Reduction | None:
 
 
 def _chain(pattern: ReducePattern):
-    """([_Reduction] of the reductions, the epilogue block), or None."""
+    """([_Reduction] of the reductions, the epilogue block), or None.
+
+    The epilogue works on every element ([row, reduce dims...]) or writes one value per row (a
+    variance: after the last barrier, the row's first block writes it)."""
     if pattern.num_spatial != 1 or pattern.row_outputs or pattern.epilogue is None:
         return None
     epilogue = pattern.sch.get(pattern.epilogue.block_rv)
@@ -79,7 +82,7 @@ def _chain(pattern: ReducePattern):
         return None
     # the epilogue must walk [row, reduce dims...] in the reductions' order: we map its vars that way
     row_dims = [int(iv.dom.extent) for iv in chain[0].block.iter_vars]
-    if [const_int(iv.dom.extent) for iv in epilogue.iter_vars] != row_dims:
+    if [const_int(iv.dom.extent) for iv in epilogue.iter_vars] not in (row_dims, row_dims[:1]):
         return None
     return chain, epilogue
 
@@ -94,7 +97,7 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
     return {"strategy": NAME, "blocks_per_row": slots // rows, "threads": THREADS, "vec": vector_lanes(pattern)}
 
 
-def _template(func, chain, rows, blocks, threads, vec, chunk, width, staged) -> str:
+def _template(func, chain, rows, blocks, threads, vec, chunk, width, staged, per_row) -> str:
     """The kernel as TVMScript; call_extern placeholders stand for the spliced values and epilogue.
 
     Placeholders get (row, position in the row, block, position in the block's chunk). With
@@ -191,9 +194,20 @@ def _template(func, chain, rows, blocks, threads, vec, chunk, width, staged) -> 
                     with T.init():
                         {tot_inits}
                     {merge}''')
-    lanes = 1 if tail else min(vec, MAX_EPILOGUE_LANES)
     out = func.params[-1]
     totals = "".join(f", gs_tot{i}_{c}[vb]" for i, c, _ in states)
+    if per_row:
+        lines.append(f'''
+        for tx in T.thread_binding({T_}, thread="threadIdx.x"):
+            with T.sblock("gs_epilogue"):
+                vb = T.axis.spatial({B_}, bx)
+                vt = T.axis.spatial({T_}, tx)
+                T.where(bx % {G_} == T.int64(0) and tx == T.int64(0))
+                T.reads({", ".join(inputs)}{totals})
+                T.writes({out.name}[{", ".join(f"0:{int(d)}" for d in out.shape)}])
+                T.evaluate(T.call_extern("void", "gs_epilogue", vb // {G_}, T.int64(0), vb, T.int64(0)))''')
+        return "\n".join(lines) + "\n"
+    lanes = 1 if tail else min(vec, MAX_EPILOGUE_LANES)
     lines.append(f'''
         for o in range({i64(chunk // (threads * lanes))}):
             for tx in T.thread_binding({T_}, thread="threadIdx.x"):
@@ -247,7 +261,8 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
         return None  # a multi-value state cannot mask the overhang of the last chunk with an identity
     func = pattern.sch.mod["main"]
     staged = _staged_input(pattern, chunk, device) if knobs.get("cache", True) else None
-    grid = tvm.script.from_source(_template(func, chain, rows, blocks, threads, vec, chunk, width, staged))
+    per_row = len(epilogue.iter_vars) == 1
+    grid = tvm.script.from_source(_template(func, chain, rows, blocks, threads, vec, chunk, width, staged, per_row))
 
     buffers = dict(zip(func.params, list(grid.params[:len(func.params) - 1]) + [grid.params[-1]]))
     local = {}
