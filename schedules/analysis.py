@@ -54,8 +54,14 @@ class ReducePattern:
         last = self.blocks[-1].block_rv
         if len(self.sch.get_loops(last)) != self.num_spatial:
             return False
-        outputs = [info.block_rv for info in self.row_outputs] + [last]
-        self.sch.merge(*[self.sch.fuse(*self.sch.get_loops(b)) for b in outputs])
+        loops = []
+        for block in [info.block_rv for info in self.row_outputs] + [last]:
+            nest = self.sch.get_loops(block)
+            loop = nest[0] if len(nest) == 1 else self.sch.fuse(*nest)
+            if not any(self.sch.get(loop).same_as(self.sch.get(seen)) for seen in loops):
+                loops.append(loop)  # the outputs of one multi-output compute share their loops
+        if len(loops) > 1:
+            self.sch.merge(*loops)
         return True
 
     def input_buffers(self) -> list[tirx.Buffer]:

@@ -109,3 +109,17 @@ def test_welford_variance_meets_1e_6_on_gpu_where_one_pass_fails(width, mean, rn
 
     assert error("welford") <= 1e-6
     assert (error("one_pass") > 1e-6) == bool(mean), "one-pass fails the bar exactly where the mean is large"
+
+
+@pytest.mark.parametrize("op, shape", [("std", [6, 3000]), ("batch_norm", [16, 64, 28, 28]), ("group_norm", [8, 64, 28, 28])])
+def test_norm_ops_on_gpu(op, shape, rng):
+    from test_norm_ops import module, reference  # noqa: PLC0415
+
+    x = (rng.standard_normal(shape) * 2 + 100).astype("float32")
+    params = [rng.standard_normal(shape[1]).astype("float32") for _ in range(3)] + [rng.random(shape[1]).astype("float32")]
+    args = [x] + (params[:2] if op == "group_norm" else params if op == "batch_norm" else [])
+    out = VirtualMachine(tvm_ext.build(module(op, shape), "cuda"), tvm.cuda(0))["main"](
+        *[tvm.runtime.tensor(a, tvm.cuda(0)) for a in args])
+    outs = [o.numpy() for o in out] if op == "batch_norm" else [out.numpy()]
+    for got, want in zip(outs, reference(op, *args)):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)

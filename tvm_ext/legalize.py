@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tvm
 from tvm import relax, tirx, topi
 
 from . import welford
@@ -29,19 +30,14 @@ def _layer_norm_float32(variance: str):
 
     def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         eps = float(call.attrs.epsilon)
-        algorithm = "two_pass" if welford.bf16_off_gpu(call) else variance
+        algorithm = welford.algorithm_for(call, variance)
 
         def layer_norm(x, gamma, beta):
             axes = sorted(int(a) % len(x.shape) for a in call.attrs.axes)
             param_shape = [x.shape[i] if i in axes else 1 for i in range(len(x.shape))]
             mean, var = welford.statistics_te(x, axes, algorithm)
             kept = [1 if i in axes else x.shape[i] for i in range(len(x.shape))]
-            mean, var = topi.reshape(mean, kept), topi.reshape(var, kept)
-            y = topi.multiply(topi.subtract(topi.cast(x, "float32"), mean),
-                              topi.rsqrt(topi.add(var, tirx.const(eps, "float32"))))
-            y = topi.multiply(y, topi.reshape(topi.cast(gamma, "float32"), param_shape))
-            y = topi.add(y, topi.reshape(topi.cast(beta, "float32"), param_shape))
-            return topi.cast(y, x.dtype)
+            return _normalize(x, mean, var, eps, kept, gamma, beta, param_shape)
 
         return bb.call_te(layer_norm, *call.args, primfunc_name_hint="layer_norm")
 
@@ -52,10 +48,127 @@ def _variance(algorithm: str):
     one_pass_form = {"welford": welford.legalize_variance, "one_pass": welford.legalize_one_pass_variance}[algorithm]
 
     def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
-        if welford.bf16_off_gpu(call):
+        if welford.algorithm_for(call, algorithm) == "two_pass":
             return bb.call_te(welford.two_pass_variance_te, call.args[0], welford.axes_of(call),
                               bool(call.attrs.keepdims), primfunc_name_hint="variance")
         return one_pass_form(bb, call)
+
+    return legalize
+
+
+def _normalize(x, mean, var, eps: float, kept: list, scale=None, shift=None, param_shape=None):
+    """(x - mean) * rsqrt(var + eps) [* scale] [+ shift] in float32, cast back to x's dtype; mean and
+    var come without the reduced dims and are broadcast through `kept` (1 on reduced dims)."""
+    mean, var = topi.reshape(mean, kept), topi.reshape(var, kept)
+    y = topi.multiply(topi.subtract(topi.cast(x, "float32"), mean),
+                      topi.rsqrt(topi.add(var, tirx.const(eps, "float32"))))
+    if scale is not None:
+        y = topi.multiply(y, topi.reshape(topi.cast(scale, "float32"), param_shape))
+    if shift is not None:
+        y = topi.add(y, topi.reshape(topi.cast(shift, "float32"), param_shape))
+    return topi.cast(y, x.dtype)
+
+
+def _std(algorithm: str):
+    def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+        def std(x):
+            axes = welford.axes_of(call)
+            var = welford.statistics_te(x, axes, welford.algorithm_for(call, algorithm))[1]
+            out = topi.cast(topi.sqrt(var), x.dtype)
+            return topi.reshape(out, [1 if i in axes else x.shape[i] for i in range(len(x.shape))]) \
+                if call.attrs.keepdims else out
+
+        return bb.call_te(std, call.args[0], primfunc_name_hint="std")
+
+    return legalize
+
+
+def _statistics(bb: relax.BlockBuilder, call: relax.Call, x_expr, view, axes, algorithm: str, name: str):
+    """(mean, variance) of `view(x)` over `axes` in float32, as their own kernel: one reduction
+    (Welford by default) that our row strategies schedule, separate from the normalisation, whose
+    loops run over x's layout, not the statistics' rows."""
+
+    def statistics(x):
+        return list(welford.statistics_te(view(x), axes, welford.algorithm_for(call, algorithm)))
+
+    stats = bb.emit(bb.call_te(statistics, x_expr, primfunc_name_hint=name))
+    return relax.TupleGetItem(stats, 0), relax.TupleGetItem(stats, 1)
+
+
+def _batch_norm_training(algorithm: str):
+    """Training-mode batch norm: the batch statistics in one reduction kernel, then the
+    normalisation and the moving-average updates, as TVM's TOPI defines them. Inference mode has
+    no reduction and keeps TVM's own legalization."""
+    default = tvm.ir.Op.get("relax.nn.batch_norm").get_attr("FLegalize")
+
+    def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+        attrs = call.attrs
+        if not attrs.training:
+            return default(bb, call)
+        momentum = float(attrs.momentum)
+        rank = len(call.args[0].ty.shape.values)
+        axis = int(attrs.axis) % rank
+        mean, var = _statistics(bb, call, call.args[0], lambda x: x, [i for i in range(rank) if i != axis], algorithm,
+                                "batch_norm_statistics")
+
+        def batch_norm(x, gamma, beta, moving_mean, moving_var, mean, var):
+            kept = [x.shape[i] if i == axis else 1 for i in range(rank)]
+            out = _normalize(x, mean, var, float(attrs.epsilon), kept, gamma if attrs.scale else None,
+                             beta if attrs.center else None, kept)
+
+            def moving(old, new):
+                return topi.cast(topi.add(topi.multiply(topi.cast(old, "float32"), tirx.const(1 - momentum, "float32")),
+                                          topi.multiply(new, tirx.const(momentum, "float32"))), old.dtype)
+
+            return [out, moving(moving_mean, mean), moving(moving_var, var)]
+
+        return bb.call_te(batch_norm, *call.args, mean, var, primfunc_name_hint="batch_norm")
+
+    return legalize
+
+
+class _GroupedView:
+    """x with its channel axis read as (groups, channels per group), indexed without a tensor of
+    its own: a reshape (or a copy block) between x and the statistics reduction keeps TVM from
+    matching the reduction's reducer or normalising its block."""
+
+    def __init__(self, x, channel: int, per_group: int, shape: list):
+        self.x, self.channel, self.per_group = x, channel, per_group
+        self.shape = [tirx.const(d, "int64") for d in shape]
+
+    def __getitem__(self, index):
+        c = self.channel
+        return self.x[tuple(index[:c]) + (index[c] * self.per_group + index[c + 1],) + tuple(index[c + 2:])]
+
+
+def _group_norm(algorithm: str):
+    """Group norm: statistics of each (batch, group) over its channels and `axes` in one
+    reduction kernel (the channel axis viewed as (groups, channels per group)), then the
+    normalisation with per-channel gamma and beta."""
+
+    def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+        attrs = call.attrs
+        groups = int(attrs.num_groups)
+        shape = [int(d) for d in call.args[0].ty.shape.values]
+        rank = len(shape)
+        channel = int(attrs.channel_axis) % rank
+        per_group = shape[channel] // groups
+        split = shape[:channel] + [groups, per_group] + shape[channel + 1:]
+        reduced = sorted([a + 1 if a > channel else a for a in (int(a) % rank for a in attrs.axes)] + [channel + 1])
+        def grouped(x):
+            return _GroupedView(x, channel, per_group, split)
+
+        mean, var = _statistics(bb, call, call.args[0], grouped, reduced, algorithm, "group_norm_statistics")
+
+        def group_norm(x, gamma, beta, mean, var):
+            kept = [1 if i in reduced else split[i] for i in range(len(split))]
+            param_shape = [split[i] if i in (channel, channel + 1) else 1 for i in range(len(split))]
+            out = _normalize(topi.reshape(x, split), mean, var, float(attrs.epsilon), kept,
+                             topi.reshape(gamma, [groups, per_group]), topi.reshape(beta, [groups, per_group]),
+                             param_shape)
+            return topi.reshape(out, shape)
+
+        return bb.call_te(group_norm, *call.args, mean, var, primfunc_name_hint="group_norm")
 
     return legalize
 
@@ -66,13 +179,17 @@ VARIANCE_ALGORITHMS = ("welford", "two_pass", "one_pass")
 def legalizations(variance: str = "welford") -> dict:
     """Op name -> legalization for the pipeline.
 
-    `variance`: "welford" (one pass, stable), TVM's own "two_pass", or the naive "one_pass"
-    E[x^2]-E[x]^2 (for comparison only: it cancels catastrophically when the mean is large).
+    `variance`: "welford" (one pass, stable), "two_pass" (the mean, then squared deviations; for
+    `relax.variance` TVM's own legalization), or the naive "one_pass" E[x^2]-E[x]^2 (for comparison
+    only: it cancels catastrophically when the mean is large). It applies to variance, std,
+    LayerNorm, training-mode batch norm and group norm.
     """
     if variance not in VARIANCE_ALGORITHMS:
         raise ValueError(f"unknown variance algorithm {variance!r}: expected one of {VARIANCE_ALGORITHMS}")
     welford.register()
-    table = {"relax.nn.softmax": _softmax_float32_accumulate, "relax.nn.layer_norm": _layer_norm_float32(variance)}
+    table = {"relax.nn.softmax": _softmax_float32_accumulate, "relax.nn.layer_norm": _layer_norm_float32(variance),
+             "relax.std": _std(variance), "relax.nn.batch_norm": _batch_norm_training(variance),
+             "relax.nn.group_norm": _group_norm(variance)}
     if variance != "two_pass":
         table["relax.variance"] = _variance(variance)
     return table

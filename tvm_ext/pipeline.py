@@ -51,8 +51,8 @@ class ScheduleReductions:
             if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False) or not is_reduce_subgraph(func):
                 continue
             knobs = self.database.lookup(func, target) if self.database else None
-            plan = [(None, knobs)] if knobs else schedules.plan(func, target)
             try:
+                plan = [(None, knobs)] if knobs else schedules.plan(func, target)
                 kernels = [(cond, schedules.schedule(func, target, k)) for cond, k in plan]
                 for _, sch in kernels if "gpu" in target.keys else []:  # CPU schedules are plain loops
                     if sch is not None:

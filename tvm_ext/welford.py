@@ -123,7 +123,9 @@ def statistics_te(x, axes: list[int], algorithm: str):
     ks2 = [te.reduce_axis((0, k.dom.extent), name=f"{k.var.name}_2") for k in ks]
     squared = te.compute(kept, lambda *i: te.sum((element(i, ks2) - mean(*i)) * (element(i, ks2) - mean(*i)), axis=ks2),
                          name="squared_deviations")
-    return mean, te.compute(kept, lambda *i: squared(*i) / count, name="variance")
+    # both results from one block after both sums: the mean between them then inlines into the
+    # second, and the kernel stays "reductions, then per-row outputs" (schedules/analysis.py)
+    return te.compute(kept, lambda *i: (total(*i) / count, squared(*i) / count), name="statistics")
 
 
 def _keep_dims(t, x, axes):
@@ -204,6 +206,11 @@ def bf16_off_gpu(call: relax.Call) -> bool:
     (sum, sum of squares) state: variance 2.7e8 for data of variance 1), so those use two passes."""
     target = Target.current(allow_none=True)
     return call.args[0].ty.dtype == "bfloat16" and (target is None or target.kind.name != "cuda")
+
+
+def algorithm_for(call: relax.Call, algorithm: str) -> str:
+    """The variance algorithm to legalize `call` with: `algorithm`, or two passes where bf16_off_gpu."""
+    return "two_pass" if bf16_off_gpu(call) else algorithm
 
 
 def _statistic_key(expr):
