@@ -35,10 +35,14 @@ def vector_lanes(pattern: ReducePattern) -> int:
 
 
 def cached_inputs(pattern: ReducePattern) -> list:
-    """Inputs read by two or more blocks of the chain: staging those saves HBM traffic."""
+    """Inputs read by two or more blocks of the chain, laid out as [rows..., row elements...]:
+    staging those saves HBM traffic. A strided row (batch statistics of NCHW over N, H, W) is
+    not staged: TVM sized such a stage by the whole tensor (3 MB, refused at launch on the H200)."""
     sch = pattern.sch
+    layout = [iv.dom.extent for iv in sch.get(pattern.reductions[0].block_rv).iter_vars]
     return [buf for buf in pattern.input_buffers()
-            if sum(any(r.source.same_as(buf) for r in sch.get(b.block_rv).reads) for b in pattern.blocks) > 1]
+            if [const_int(d) for d in buf.shape] == [const_int(e) for e in layout]
+            and sum(any(r.source.same_as(buf) for r in sch.get(b.block_rv).reads) for b in pattern.blocks) > 1]
 
 
 def row_bytes(pattern: ReducePattern, buffers) -> int | None:
