@@ -20,9 +20,11 @@ KERNELS: dict = {}
 
 
 def expected_kernels(case) -> int:
-    """One per fused function, times the width classes when the row width is symbolic."""
+    """One per fused function, times the width classes when the row width is symbolic, times the
+    int32 and int64 versions when any dim is (tvm_ext/narrowing.py)."""
     symbolic_width = isinstance(case["shape"][-1], str)
-    return KERNELS.get(case["op"], 1) * (len(DYNAMIC_ROW_VARIANTS) if symbolic_width else 1)
+    symbolic = any(isinstance(d, str) for d in case["shape"])
+    return KERNELS.get(case["op"], 1) * (len(DYNAMIC_ROW_VARIANTS) if symbolic_width else 1) * (2 if symbolic else 1)
 _built = {}
 
 
@@ -59,20 +61,21 @@ def test_row_read_once_into_shared_memory_with_128bit_loads(case):
         assert re.search(r"= \*\(uint4\*\)\(p0_shared_dyn_ptr \+", src), "reductions take their chunk as one 16-byte read"
 
 
-def test_dynamic_rows_compile_to_one_kernel_with_symbolic_grid():
+def test_dynamic_rows_compile_to_an_int32_and_an_int64_kernel_with_symbolic_grid():
     case = next(c for c in CASES if c["id"] == "ln-dyn-nx4096-f16")
     ex, src, _ = build_case(case)
-    (kernel,) = tvm_ext.cuda_kernels(ex)
-    assert re.search(rf"void __launch_bounds__\(\d+\) {kernel}\([^)]*int64_t n\)", src)
+    assert tvm_ext.cuda_kernels(ex) == ["layer_norm_i32_kernel", "layer_norm_kernel"]
+    assert re.search(r"void __launch_bounds__\(\d+\) layer_norm_i32_kernel\([^)]*, int n\)", src)
+    assert re.search(r"void __launch_bounds__\(\d+\) layer_norm_kernel\([^)]*, int64_t n\)", src)
 
 
 def test_symbolic_row_width_dispatches_between_variants_at_run_time():
     ex, src, _ = build_case(next(c for c in CASES if c["id"] == "sm-dyn-bxn-f16"))
-    assert tvm_ext.cuda_kernels(ex) == ["softmax_v0_kernel", "softmax_v1_kernel", "softmax_v2_kernel"]
+    assert tvm_ext.cuda_kernels(ex) == [f"softmax_v{i}{s}_kernel" for i in range(3) for s in ("_i32", "")]
     host = ex.as_text()
     calls = re.findall(r"call  (softmax\w*) ", host)
-    assert calls == ["softmax_v0", "softmax_v1", "softmax_v2"], "tried narrowest first, the unbounded kernel last"
-    assert host.count("If    ") == 2, "each bounded variant guarded by one host-side branch"
+    assert calls == [f"softmax_v{i}{s}" for i in range(3) for s in ("_i32", "")], "narrowest first, int32 first"
+    assert host.count("If    ") == 5, "two width branches, and an int32/int64 branch per width class"
     v0 = re.search(r"softmax_v0_kernel\([^)]*\) \{(.*?)\n\}", src, re.S).group(1)
     assert "threadIdx.y" in v0 and "__shfl_down_sync" in v0  # warp_row: a warp per row, rows along y
     assert re.search(r"__launch_bounds__\(1024\) softmax_v2_kernel", src)  # block_row for unbounded widths

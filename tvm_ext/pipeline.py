@@ -4,7 +4,8 @@ Order: library dispatch -> mean/variance pairing (Welford) -> LegalizeOps (with 
 legalizations) -> AnnotateTIROpPattern -> FoldConstant -> FuseOps -> FuseTIR -> leave dataflow
 form -> our schedules for every fused PrimFunc with a reduction (several kernels and a run-time
 `if` where dims are symbolic; zero-filled state inputs for grid reductions) -> TVM's dlight rules
-for the rest (GPU) -> CallTIRRewrite -> VM finalisation. The TIR passes of `tvm_ext.passes` run
+for the rest (GPU) -> int32 indices where safe, int32/int64 twins where shapes are symbolic
+(narrowing.py) -> CallTIRRewrite -> VM finalisation. The TIR passes of `tvm_ext.passes` run
 later, inside `tvm.compile`, under the TIR pipeline of the same name.
 """
 
@@ -25,6 +26,7 @@ from schedules.grid_reduce import ZEROED_INPUTS
 
 from . import welford
 from .legalize import legalizations
+from .narrowing import narrow_indices
 from .records import Database
 from .variants import rewrite_call_sites
 
@@ -138,7 +140,7 @@ def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **opt
         ]
         if "gpu" in target.keys:
             passes.append(_dlight_defaults())
-        passes.append(relax.transform.CallTIRRewrite())
+        passes += [narrow_indices, relax.transform.CallTIRRewrite()]
         passes += relax.pipeline.finalize_passes(target)
         return tvm.transform.Sequential(passes)(mod)
 

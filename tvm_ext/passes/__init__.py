@@ -6,8 +6,9 @@ default s_tir pipeline with the passes registered for each phase spliced in.
 - "early": every scheduled PrimFunc, still in SBlock form, before TVM lowers it;
 - "late": every device kernel after host/device splitting, just before codegen.
 
-Built in (late): `cooperative_launch` launches kernels that use a grid-wide barrier cooperatively;
-`welford_lower` gives Welford updates CUDA's fast approximate reciprocal.
+Built in: `narrow_index` (early) rewrites the kernels tvm_ext/narrowing.py marked to int32 indices;
+`cooperative_launch` (late) launches kernels that use a grid-wide barrier cooperatively;
+`welford_lower` (late) gives Welford updates CUDA's fast approximate reciprocal.
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ tirx.register_tir_pipeline(TIR_PIPELINE, _tir_pipeline)
 
 def _register_builtin_passes() -> None:
     from .cooperative_launch import cooperative_launch  # noqa: PLC0415
+    from .narrow_index import narrow_index  # noqa: PLC0415
     from .source_hook import register_source_hook  # noqa: PLC0415
     from .welford_lower import welford_lower  # noqa: PLC0415
 
+    register_tir_pass(narrow_index, phase="early")
     register_tir_pass(cooperative_launch, phase="late")
     register_tir_pass(welford_lower, phase="late")
     register_source_hook()

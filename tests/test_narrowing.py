@@ -1,0 +1,112 @@
+"""int64 -> int32 index narrowing: static kernels narrowed when safe, symbolic ones built twice."""
+
+import re
+
+import numpy as np
+import pytest
+import tvm
+import tvm_ffi
+from tvm import tirx
+from tvm.runtime.vm import VirtualMachine
+
+import tvm_ext
+import tvm_ext.narrowing as narrowing
+from bench.suite import relax_module
+from conftest import CUDA_TARGET
+from tvm_ext.pipeline import fused_reduce_functions
+
+
+def kernel_bodies(src: str) -> list[str]:
+    return re.findall(r'extern "C" __global__ void [^;{]*\{(.*?)\n\}', src, re.S)
+
+
+def called(vm, prefix, *args) -> list[str]:
+    """The functions named `prefix`... that one call of `main` ran, in order (the VM's instrument hook)."""
+    names = []
+
+    def instrument(func, symbol, before, ret, *rest):
+        if before and str(symbol).startswith(prefix):
+            names.append(str(symbol))
+        return 0
+
+    vm.set_instrument(tvm_ffi.convert(instrument))
+    vm["main"](*args)
+    return names
+
+
+def test_static_small_kernel_has_no_64_bit_index_arithmetic():
+    src = tvm_ext.cuda_source(tvm_ext.build(relax_module("layer_norm", [4096, 1024], "float16"), CUDA_TARGET))
+    assert kernel_bodies(src) and all("int64_t" not in body for body in kernel_bodies(src))
+
+
+def test_static_huge_kernel_keeps_int64():
+    # 2 x 1.2e9 fp16 (4.8 GB): element offsets pass 2^31
+    src = tvm_ext.cuda_source(tvm_ext.build(relax_module("row_sum", [2, 1_200_000_000], "float16"), CUDA_TARGET))
+    assert any("int64_t" in body for body in kernel_bodies(src))
+
+
+def test_symbolic_kernel_is_built_twice_and_chosen_on_the_element_count():
+    ex = tvm_ext.build(relax_module("layer_norm", ["n", 4096], "float16"), CUDA_TARGET)
+    assert tvm_ext.cuda_kernels(ex) == ["layer_norm_i32_kernel", "layer_norm_kernel"]
+    host = ex.as_text()
+    assert host.count("If    ") == 1 and host.index("call  layer_norm_i32 ") < host.index("call  layer_norm ")
+    (func,) = fused_reduce_functions(relax_module("layer_norm", ["n", 4096], "float16"),
+                                     tvm_ext.parse_target(CUDA_TARGET)).values()
+    condition = narrowing.narrow_condition(func)
+    found = []
+    tvm_ffi.structural_walk(condition, (tirx.Var, found.append), order="post")
+    n = found[0]
+    at = lambda value: tvm.sym.Analyzer().simplify(  # noqa: E731
+        tvm_ffi.structural_map(condition, (tirx.Var, lambda v: tirx.const(value, v.ty.dtype) if v.same_as(n) else v)))
+    assert at(2**31 // 4096 - 1).value and not at(2**31 // 4096).value  # n * 4096 < 2^31
+
+
+@pytest.mark.parametrize("rows, expected", [(3, "softmax_i32"), (9, "softmax")])
+def test_both_versions_run_and_agree_on_the_cpu(monkeypatch, rows, expected, rng):
+    # a limit of 8 rows of 300 stands in for 2^31 so that both sides run here
+    monkeypatch.setattr(narrowing, "LIMIT", 8 * 300)
+    vm = VirtualMachine(tvm_ext.build(relax_module("softmax", ["n", 300], "float32"), "llvm"), tvm.cpu())
+    x = rng.standard_normal((rows, 300)).astype("float32")
+    assert called(vm, "softmax", tvm.runtime.tensor(x)) == [expected]
+    got = vm["main"](tvm.runtime.tensor(x)).numpy()
+    np.testing.assert_allclose(got, np.exp(x) / np.exp(x).sum(-1, keepdims=True), rtol=1e-5)
+
+
+def test_kernels_with_integer_tensors_keep_int64():
+    # TVM's rewrite would narrow argmax's int64 output too; such kernels are left alone
+    from patterns import module  # noqa: PLC0415
+
+    src = tvm_ext.cuda_source(tvm_ext.build(module("argmax_rows"), CUDA_TARGET))
+    assert "int64_t* __restrict__" in src
+
+
+def _huge_rows(rows: int) -> tuple:
+    """fp16 [rows, 1.2e9] (2.4 GB a row) whose row sums tell the rows apart, and those sums."""
+    width, split = 1_200_000_000, 1_100_000_000
+    x = np.empty((rows, width), "float16")
+    sums = []
+    for r in range(rows):
+        x[r, :split], x[r, split:] = r + 1, r + 3
+        sums.append((r + 1) * split + (r + 3) * (width - split))
+    return x, np.array(sums, "float64")
+
+
+@pytest.mark.gpu
+def test_more_than_2_31_elements_reduce_right_through_int64_on_gpu():
+    x, sums = _huge_rows(2)
+    vm = VirtualMachine(tvm_ext.build(relax_module("row_sum", list(x.shape), "float16"), "cuda"), tvm.cuda(0))
+    got = vm["main"](tvm.runtime.tensor(x, tvm.cuda(0))).numpy().astype("float64")
+    np.testing.assert_allclose(got, sums, rtol=1e-3)  # fp16 output: 3 significant digits
+
+
+@pytest.mark.gpu
+def test_symbolic_rows_run_int32_when_small_and_int64_when_large_on_gpu():
+    width = 4096  # int32 up to 524288 rows
+    vm = VirtualMachine(tvm_ext.build(relax_module("row_sum", ["n", width], "float16"), "cuda"), tvm.cuda(0))
+    for rows, narrow in ((1000, True), (600_000, False)):  # 600000 x 4096 = 2.46e9 elements
+        values = (np.arange(rows) % 7 + 1).astype("float16")  # row r sums to (r % 7 + 1) * 4096, exact in fp16
+        arg = tvm.runtime.tensor(np.ascontiguousarray(np.broadcast_to(values[:, None], (rows, width))), tvm.cuda(0))
+        (kernel,) = called(vm, "sum", arg)
+        assert kernel.endswith(narrowing.SUFFIX) == narrow, kernel
+        np.testing.assert_array_equal(vm["main"](arg).numpy(), values * width)
+        del arg

@@ -1,0 +1,83 @@
+"""int64 -> int32 index narrowing, with int32 and int64 versions where the shapes are symbolic.
+
+Relax legalizes to int64 shapes and index arithmetic, which costs GPU kernels registers and
+instructions. TVM's own NarrowDataType(32) narrows only what it can bound from constant extents.
+Following CINN, this pass decides per kernel, once, from what bounds every index in it: the
+element counts of the buffers it touches and the number of threads it launches.
+
+- All bounds known and below 2^31: the whole kernel is rewritten to int32 (TVM's
+  ForceNarrowIndexToInt32), no per-operation checks. Any bound at or above 2^31: kept as is.
+  The rewrite itself runs in the TIR pipeline (passes/narrow_index.py) on the kernels marked
+  NARROW here, once cross-thread reductions are lowered: it folds `x + 0.0`, after which TVM
+  no longer recognises a Welford update as its registered reducer.
+- Bounds over symbolic dims (n * 4096): the kernel is built twice, int32 and int64, and each call
+  site chooses on the run-time shape with an `if` in the VM's host code (tvm_ext/variants.py, the
+  mechanism that also picks width classes): the check costs a compare, not a kernel.
+
+It runs in the Relax pipeline after every kernel is scheduled (ours and TVM's fallbacks alike),
+before the call sites are lowered.
+"""
+
+from __future__ import annotations
+
+from functools import reduce
+
+import tvm
+import tvm_ffi
+from tvm import relax, tirx
+
+from schedules.grid_reduce import ZEROED_INPUTS
+
+from .variants import rewrite_call_sites
+
+LIMIT = 2**31  # int32 indices hold element counts below this
+SUFFIX = "_i32"
+NARROW = "tvm_ext.narrow_index"  # PrimFunc attr: rewrite this kernel's indices to int32
+
+
+def _product(dims):
+    return reduce(lambda a, b: a * b, [tirx.Cast("int64", d) if d.ty.dtype != "int64" else d for d in dims],
+                  tirx.const(1, "int64"))
+
+
+def index_bounds(func: tirx.PrimFunc) -> list:
+    """Expressions every index of `func` stays below: each buffer's element count (parameters and
+    allocations) and the product of its thread-binding extents (the launched threads)."""
+    buffers = list(func.params)
+    tvm_ffi.structural_walk(func.body, (tvm.s_tir.SBlock, lambda b: buffers.extend(b.alloc_buffers)), order="pre")
+    bounds = [_product(buf.shape) for buf in buffers if getattr(buf, "shape", None) is not None]
+    threads = []
+    tvm_ffi.structural_walk(func.body, (tirx.For, lambda loop: threads.append(loop.extent)
+                                        if loop.thread_binding is not None else None), order="pre")
+    return bounds + ([_product(threads)] if threads else [])
+
+
+def narrow_condition(func: tirx.PrimFunc):
+    """True/False when int32 indices are safe/unsafe for every shape, else the run-time condition."""
+    analyzer = tvm.sym.Analyzer()
+    checks = [analyzer.simplify(bound < tirx.const(LIMIT, "int64")) for bound in index_bounds(func)]
+    if any(isinstance(c, tirx.IntImm) and not c.value for c in checks):
+        return False
+    symbolic = [c for c in checks if not isinstance(c, tirx.IntImm)]
+    return reduce(tirx.And, symbolic) if symbolic else True
+
+
+@tvm.transform.module_pass(opt_level=0, name="TVMExtNarrowIndices")
+def narrow_indices(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Mark every kernel that is safe to narrow; give the symbolic ones a marked twin."""
+    table, builder = {}, relax.BlockBuilder(mod)
+    for gv, func in list(mod.functions_items()):
+        if not isinstance(func, tirx.PrimFunc) or func.attrs is None or not _narrowable(func):
+            continue
+        condition = narrow_condition(func)
+        if condition is True:
+            builder.update_func(gv, func.with_attr(NARROW, True))
+        elif condition is not False and ZEROED_INPUTS not in func.attrs:  # state inputs: static only
+            twin = builder.add_func(func.with_attr(NARROW, True), gv.name_hint + SUFFIX)
+            table[gv.name_hint] = [(condition, twin), (None, gv)]
+    return rewrite_call_sites(builder.get(), table)
+
+
+def _narrowable(func: tirx.PrimFunc) -> bool:
+    """TVM's rewrite narrows integer data too: a kernel with int64 tensors (argmax's indices) keeps int64."""
+    return not any(str(p.ty.dtype).startswith(("int", "uint")) for p in func.params if hasattr(p, "ty"))
