@@ -80,23 +80,13 @@ def test_kernels_with_integer_tensors_keep_int64():
     assert "int64_t* __restrict__" in src
 
 
-def _huge_rows(rows: int) -> tuple:
-    """fp16 [rows, 1.2e9] (2.4 GB a row) whose row sums tell the rows apart, and those sums."""
-    width, split = 1_200_000_000, 1_100_000_000
-    x = np.empty((rows, width), "float16")
-    sums = []
-    for r in range(rows):
-        x[r, :split], x[r, split:] = r + 1, r + 3
-        sums.append((r + 1) * split + (r + 3) * (width - split))
-    return x, np.array(sums, "float64")
-
-
 @pytest.mark.gpu
 def test_more_than_2_31_elements_reduce_right_through_int64_on_gpu():
-    x, sums = _huge_rows(2)
+    # 2 x 1.2e9 fp16, zero but for marks that only an index past 2^31 reaches (row 1 starts at 1.2e9)
+    x = np.zeros((2, 1_200_000_000), "float16")
+    x[0, -7:], x[1, 1_100_000_000:1_100_001_000] = 1, 1
     vm = VirtualMachine(tvm_ext.build(relax_module("row_sum", list(x.shape), "float16"), "cuda"), tvm.cuda(0))
-    got = vm["main"](tvm.runtime.tensor(x, tvm.cuda(0))).numpy().astype("float64")
-    np.testing.assert_allclose(got, sums, rtol=1e-3)  # fp16 output: 3 significant digits
+    np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(x, tvm.cuda(0))).numpy(), [7, 1000])
 
 
 @pytest.mark.gpu
