@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import sys
 
-IMPLS = ["ours", "ours_tuned", "ours_welford", "ours_two_pass", "ours_one_pass", "torch_eager", "torch_compile",
-         "tvm_dlight"]
+IMPLS = ["ours", "ours_tuned", "ours_int64", "ours_welford", "ours_two_pass", "ours_one_pass", "torch_eager",
+         "torch_compile", "tvm_dlight"]
 
 
 def _label(row) -> str:

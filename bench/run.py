@@ -86,7 +86,7 @@ def copy_gbps() -> float:
 STATISTICS_OPS = ("layer_norm", "bn_stats")  # the ops whose variance algorithm is a build option
 
 
-def run_case(case: dict, database, log, variance_algorithms=()) -> list[dict]:
+def run_case(case: dict, database, log, variance_algorithms=(), int64=False) -> list[dict]:
     op, dtype, shape = case["op"], case["dtype"], case["shape"]
     mod = relax_module(op, shape, dtype)
     t0 = time.time()
@@ -94,6 +94,8 @@ def run_case(case: dict, database, log, variance_algorithms=()) -> list[dict]:
                 "tvm_dlight": lambda: tvm.compile(mod, target=tvm_ext.parse_target("cuda"))}
     if database:
         builders["ours_tuned"] = lambda: tvm_ext.build(mod, "cuda", database=database)
+    if int64:  # our kernels without tvm_ext's index narrowing (TVM's own static narrowing stays)
+        builders["ours_int64"] = lambda: tvm_ext.build(mod, "cuda", narrow_index=False)
     for algorithm in variance_algorithms if op in STATISTICS_OPS else ():
         builders[f"ours_{algorithm}"] = lambda a=algorithm: tvm_ext.build(mod, "cuda", variance=a)
     built, failed = {}, {}
@@ -158,6 +160,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="")
     ap.add_argument("--variance", default="", help="comma-separated variance algorithms to add as ours_<name> rows "
                                                    "on LayerNorm and batch-statistics cases (welford,two_pass,one_pass)")
+    ap.add_argument("--int64", action="store_true", help="add ours_int64 rows: built without index narrowing")
     args = ap.parse_args(argv)
     torch._dynamo.config.recompile_limit = 64  # dynamic cases compile once per listed size
     if not torch.cuda.is_available() or not tvm.cuda(0).exist:
@@ -175,7 +178,7 @@ def main(argv=None) -> int:
     stem = os.path.join(args.out, f"{slug}-{result['date']}{'-' + args.tag if args.tag else ''}")
     for case in tqdm(cases, desc="suite", file=sys.stdout):
         log(case["id"])
-        result["rows"] += run_case(case, args.database, log, [a for a in args.variance.split(",") if a])
+        result["rows"] += run_case(case, args.database, log, [a for a in args.variance.split(",") if a], args.int64)
         with open(stem + ".json", "w", encoding="utf-8") as f:  # after every case: a cut-off run keeps its rows
             json.dump(result, f, indent=1)
     print(write_reports(stem + ".json"))

@@ -100,3 +100,10 @@ def test_symbolic_rows_run_int32_when_small_and_int64_when_large_on_gpu():
         assert kernel.endswith(narrowing.SUFFIX) == narrow, kernel
         np.testing.assert_array_equal(vm["main"](arg).numpy(), values * width)
         del arg
+
+
+def test_narrowing_can_be_switched_off_and_the_option_is_checked():
+    ex = tvm_ext.build(relax_module("layer_norm", ["n", 4096], "float16"), CUDA_TARGET, narrow_index=False)
+    assert tvm_ext.cuda_kernels(ex) == ["layer_norm_kernel"]
+    with pytest.raises(ValueError, match="narrow_index must be True or False, not 'yes'"):
+        tvm_ext.build(relax_module("layer_norm", ["n", 4096], "float16"), CUDA_TARGET, narrow_index="yes")

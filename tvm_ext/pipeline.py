@@ -32,7 +32,7 @@ from .variants import rewrite_call_sites
 
 PIPELINE = "tvm_ext"
 SCHEDULED = "tirx.is_scheduled"
-OPTIONS = ("variance",)  # build options this pipeline understands (the later passes add theirs here)
+OPTIONS = ("variance", "narrow_index")  # build options this pipeline understands
 
 
 @tvm.transform.module_pass(opt_level=0, name="TVMExtScheduleReductions")
@@ -93,9 +93,10 @@ def _check_lowers(func: tirx.PrimFunc, name: str, target: Target) -> None:
 
 def fusion_passes(**options) -> list:
     """Legalize and fuse: what every fused PrimFunc the schedules see has been through."""
-    statistics = [welford.pair_mean_with_variance] if options.get("variance", "welford") == "welford" else []
+    variance = options.get("variance", "welford")
+    statistics = [welford.pair_mean_with_variance] if variance == "welford" else []
     return statistics + [
-        relax.transform.LegalizeOps(customize_legalize_map=legalizations(**options)),
+        relax.transform.LegalizeOps(customize_legalize_map=legalizations(variance)),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
@@ -121,7 +122,10 @@ def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **opt
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ValueError(f"unknown tvm_ext build option(s) {unknown}; known: {list(OPTIONS)}")
-    legalizations(**options)  # a bad option value fails here, before any work
+    legalizations(options.get("variance", "welford"))  # a bad option value fails here, before any work
+    narrow = options.get("narrow_index", True)
+    if not isinstance(narrow, bool):
+        raise ValueError(f"narrow_index must be True or False, not {narrow!r}")
     if database is not None and not isinstance(database, Database):
         database = Database.load(database)
 
@@ -140,7 +144,7 @@ def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **opt
         ]
         if "gpu" in target.keys:
             passes.append(_dlight_defaults())
-        passes += [narrow_indices, relax.transform.CallTIRRewrite()]
+        passes += ([narrow_indices] if narrow else []) + [relax.transform.CallTIRRewrite()]
         passes += relax.pipeline.finalize_passes(target)
         return tvm.transform.Sequential(passes)(mod)
 
