@@ -1,5 +1,6 @@
 """The tuner: task extraction, search space, features, XGBoost cost model, strategy, measurement.
 
 It writes tuning logs through `tvm_ext.records`; the build pipeline reads them without importing
-this package. Its components arrive with the search issue; nothing here is used yet.
+this package. Built so far: `tasks.py` (the fused reduce subgraphs of a model, keyed and weighted);
+the other components arrive with the search issue.
 """

@@ -104,11 +104,15 @@ def fusion_passes(**options) -> list:
     ]
 
 
+def fused_module(mod: tvm.IRModule, target, **options) -> tvm.IRModule:
+    """`mod` legalized and fused as the pipeline does it, before any scheduling."""
+    with target:
+        return tvm.transform.Sequential(relax.pipeline.library_dispatch_passes(target) + fusion_passes(**options))(mod)
+
+
 def fused_reduce_functions(mod: tvm.IRModule, target, **options) -> dict:
     """{name: PrimFunc} of the fused reduce subgraphs the pipeline will schedule (the tuner's tasks)."""
-    with target:
-        fused = tvm.transform.Sequential(relax.pipeline.library_dispatch_passes(target) + fusion_passes(**options))(mod)
-    return {gv.name_hint: f for gv, f in fused.functions_items()
+    return {gv.name_hint: f for gv, f in fused_module(mod, target, **options).functions_items()
             if isinstance(f, tirx.PrimFunc) and is_reduce_subgraph(f)}
 
 

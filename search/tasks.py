@@ -1,0 +1,60 @@
+"""Task extraction: the fused reduce subgraphs of a model, each with a stable key and a weight.
+
+A task is what the tuner searches knobs for: one fused PrimFunc as the pipeline will schedule it.
+Its key is the tuning log's (`tvm_ext.records.task_key`: structure with symbolic dims kept, target
+kind and arch), so functions of the same structure (the same LayerNorm in every layer) are one
+task whose weight counts all their call sites.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+import tvm_ffi
+from tvm import relax, tirx
+from tvm.target import Target
+
+from schedules.analysis import is_reduce_subgraph
+from tvm_ext.pipeline import fused_module
+from tvm_ext.records import task_key
+from tvm_ext.target import parse_target
+
+CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str  # the first fused function with this key
+    key: str
+    func: tirx.PrimFunc
+    weight: int  # call sites in the model, over every function with this key
+
+
+def _call_counts(mod: tvm.IRModule) -> dict:
+    counts: dict = {}
+
+    def visit(call):
+        if isinstance(call.op, tvm.ir.Op) and call.op.same_as(CALL_TIR):
+            counts[call.args[0].name_hint] = counts.get(call.args[0].name_hint, 0) + 1
+
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            tvm_ffi.structural_walk(func.body, (relax.Call, visit), order="pre")
+    return counts
+
+
+def extract_tasks(mod: tvm.IRModule, target, **options) -> list[Task]:
+    """The tasks of `mod` on `target`, heaviest first (then by name)."""
+    target = target if isinstance(target, Target) else parse_target(target)
+    fused = fused_module(mod, target, **options)
+    counts = _call_counts(fused)
+    tasks: dict = {}
+    for gv, func in sorted(fused.functions_items(), key=lambda item: item[0].name_hint):
+        if not isinstance(func, tirx.PrimFunc) or not is_reduce_subgraph(func):
+            continue
+        key = task_key(func, target)
+        first = tasks.get(key)
+        weight = counts.get(gv.name_hint, 0) + (first.weight if first else 0)
+        tasks[key] = Task(first.name if first else gv.name_hint, key, first.func if first else func, weight)
+    return sorted(tasks.values(), key=lambda t: (-t.weight, t.name))
