@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from .analysis import ROW, ReducePattern, const_int
 from .device import Device
-from .rows import cached_inputs, estimated_registers, row_bytes, schedule_rows, vector_lanes, worth_caching
+from .rows import (cached_inputs, estimated_registers, row_bytes, schedule_rows, vector_choices, vector_lanes,
+                   worth_caching)
 
 NAME = "block_row"
 BYTES_PER_THREAD = 64  # four 16-byte loads in flight per thread: best or near it in bench.sweep
@@ -49,6 +50,17 @@ def _by_occupancy(threads: int, pattern: ReducePattern, device: Device, smem: in
         threads //= 2
     return threads
 
+
+def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
+    """Every valid point: blocks of 64..1024 threads, each vector width dividing the row, staged
+    where the row fits shared memory (and its width is static)."""
+    if not device.is_gpu or pattern.layout != ROW:
+        return []
+    staged = const_int(pattern.reduce_extent) is not None and worth_caching(pattern)
+    return [{"strategy": NAME, "threads": threads, "vec": vec, "cache": cache}
+            for threads in (64, 128, 256, 512, 1024) if threads <= device.max_threads
+            for vec in vector_choices(pattern)
+            for cache in (False, True) if not cache or staged]
 
 def apply(pattern: ReducePattern, device: Device, knobs: dict):
     threads = int(knobs["threads"])

@@ -22,6 +22,13 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
     return {"strategy": NAME, "cols": 16, "lanes": 64}
 
 
+def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
+    """Every valid point: 4..32 adjacent columns per block, 16..256 lanes over the rows."""
+    if not device.is_gpu or pattern.layout != COLUMN:
+        return []
+    return [{"strategy": NAME, "cols": cols, "lanes": lanes}
+            for cols in (4, 8, 16, 32) for lanes in (16, 32, 64, 128, 256) if cols * lanes <= device.max_threads]
+
 def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule | None:
     if not device.is_gpu or pattern.layout != COLUMN:
         return None

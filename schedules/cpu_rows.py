@@ -21,6 +21,10 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
     return None if device.is_gpu else {"strategy": NAME, "lanes": LANES}
 
 
+def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
+    """Partial results per reduction: none (1), 16 or 64."""
+    return [] if device.is_gpu else [{"strategy": NAME, "lanes": lanes} for lanes in (1, 16, 64)]
+
 def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule | None:
     if device.is_gpu:
         return None

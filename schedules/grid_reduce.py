@@ -19,7 +19,7 @@ from tvm import s_tir, tirx
 
 from .analysis import ROW, ReducePattern, const_int
 from .device import Device
-from .rows import vector_lanes
+from .rows import vector_choices, vector_lanes
 
 NAME = "grid_reduce"
 ZEROED_INPUTS = "tvm_ext.zeroed_inputs"  # PrimFunc attr: [(shape, dtype)] of inputs to pass zero-filled
@@ -200,6 +200,19 @@ def grid_split(pattern: ReducePattern, device: Device, knobs: dict) -> tuple | N
     chunk = -(-(-(-width // blocks)) // step) * step
     return rows, width, -(-width // chunk), threads, vec, chunk
 
+
+def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
+    """Every valid point where the heuristic would consider a grid: 256..1024 threads, 2.. blocks per
+    row (powers of two and the heuristic's), each vector width dividing the row."""
+    chosen = default_knobs(pattern, device)
+    if chosen is None:
+        return []
+    rows = const_int(pattern.row_count)
+    return [{"strategy": NAME, "blocks_per_row": blocks, "threads": threads, "vec": vec}
+            for threads in (256, 512, 1024)
+            for blocks in sorted({2, 4, 8, 16, 32, 64, 128, 256, 512, chosen["blocks_per_row"]})
+            if rows * blocks <= 2 * device.sm_count * device.resident_blocks(threads)
+            for vec in vector_choices(pattern)]
 
 def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule | None:
     found, split = _reduction(pattern), grid_split(pattern, device, knobs)

@@ -29,7 +29,7 @@ from .device import Device
 from . import reducers
 from .grid_reduce import (COMBINERS, MIN_ROW, ZEROED_INPUTS, buffer_decl, combiner_parts, copy_attrs, grid_split,
                           map_vars, row_element_vars)
-from .rows import MAX_EPILOGUE_LANES, vector_lanes
+from .rows import MAX_EPILOGUE_LANES, vector_choices, vector_lanes
 
 NAME = "grid_sync"
 GRID_SYNC = "cooperative_groups::this_grid().sync"  # printed by CUDA codegen as a call
@@ -248,6 +248,20 @@ def _staged_input(pattern: ReducePattern, chunk: int, device: Device) -> str | N
             return buf.name
     return None
 
+
+def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
+    """Every co-resident point where the heuristic would consider a cooperative grid: 256..1024
+    threads, 2.. blocks per row (powers of two and the heuristic's; the whole grid within the
+    cooperative slots), each vector width dividing the row, the row's chunk staged or not."""
+    chosen = default_knobs(pattern, device)
+    if chosen is None:
+        return []
+    rows = const_int(pattern.row_count)
+    return [{"strategy": NAME, "blocks_per_row": blocks, "threads": threads, "vec": vec, "cache": cache}
+            for threads in (256, 512, 1024)
+            for blocks in sorted({2, 4, 8, 16, 32, 64, 128, chosen["blocks_per_row"]})
+            if rows * blocks <= cooperative_slots(device, threads)
+            for vec in vector_choices(pattern) for cache in (True, False)]
 
 def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule | None:
     found, split = _chain(pattern), grid_split(pattern, device, knobs)

@@ -34,6 +34,12 @@ def vector_lanes(pattern: ReducePattern) -> int:
     return lanes
 
 
+def vector_choices(pattern: ReducePattern) -> list[int]:
+    """Vector widths a lane may take: the powers of two up to vector_lanes (which divides the row)."""
+    widest = vector_lanes(pattern)
+    return [v for v in (1, 2, 4, 8, 16) if v <= widest]
+
+
 def cached_inputs(pattern: ReducePattern) -> list:
     """Inputs read by two or more blocks of the chain, laid out as [rows..., row elements...]:
     staging those saves HBM traffic. A strided row (batch statistics of NCHW over N, H, W) is

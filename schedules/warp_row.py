@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .analysis import ROW, ReducePattern, const_int
 from .device import Device
-from .rows import row_bytes, schedule_rows, vector_lanes, worth_caching
+from .rows import row_bytes, schedule_rows, vector_choices, vector_lanes, worth_caching
 
 NAME = "warp_row"
 MAX_ROW_BYTES = 4096  # longer rows go to block_row
@@ -30,6 +30,18 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
     return {"strategy": NAME, "group": group, "rows_per_block": rows, "vec": vec,
             "cache": worth_caching(pattern, rows)}
 
+
+def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
+    """Every valid point: lane groups of 2..32 per row, blocks of 32..1024 threads, each vector
+    width dividing the row, staged where the block's rows fit shared memory."""
+    n, size = const_int(pattern.reduce_extent), row_bytes(pattern, pattern.input_buffers()[:1])
+    if not device.is_gpu or pattern.layout != ROW or n is None or size > MAX_ROW_BYTES:
+        return []
+    return [{"strategy": NAME, "group": group, "rows_per_block": rows, "vec": vec, "cache": cache}
+            for group in (2, 4, 8, 16, 32) if group <= device.warp
+            for rows in (1, 2, 4, 8, 16, 32) if device.warp <= group * rows <= device.max_threads
+            for vec in vector_choices(pattern) if group * vec <= n
+            for cache in (False, True) if not cache or worth_caching(pattern, rows)]
 
 def apply(pattern: ReducePattern, device: Device, knobs: dict):
     group, rows = int(knobs["group"]), int(knobs["rows_per_block"])

@@ -1,6 +1,7 @@
 """The tuner: task extraction, search space, features, XGBoost cost model, strategy, measurement.
 
 It writes tuning logs through `tvm_ext.records`; the build pipeline reads them without importing
-this package. Built so far: `tasks.py` (the fused reduce subgraphs of a model, keyed and weighted);
-the other components arrive with the search issue.
+this package. Built so far: `tasks.py` (the fused reduce subgraphs of a model, keyed and weighted)
+and `space.py` (every valid knob point of the templates); the other components arrive with the
+search issue.
 """

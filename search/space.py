@@ -1,0 +1,23 @@
+"""Space: every valid knob point of every schedule template for a task, on a target.
+
+Each template lists its own points (`knob_space` beside its `default_knobs` in schedules/), built
+from its validity rules (vector widths that divide the row, threads per block, shared memory for a
+staged row, co-residency of a cooperative grid), so an invalid point is never built.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.target import Target
+
+from schedules.analysis import match
+from schedules.device import device_of
+from schedules.dispatch import STRATEGIES
+
+
+def knob_space(func: tirx.PrimFunc, target: Target) -> list[dict]:
+    """The points of every strategy that fits `func` on `target`, in the heuristic's strategy order."""
+    pattern, device = match(func), device_of(target)
+    if pattern is None:
+        return []
+    return [point for strategy in STRATEGIES.values() for point in strategy.knob_space(pattern, device)]
