@@ -1,0 +1,70 @@
+"""Features: what the cost model sees of a candidate, from its knobs, the task's shape and the device.
+
+Hand-made and cheap (no TIR built): the quantities the heuristics were tuned on, for every
+strategy alike, so one model ranks candidates across strategies and transfers across shapes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from tvm import tirx
+from tvm.target import Target
+
+from schedules.analysis import ReducePattern, const_int, match
+from schedules.device import Device, device_of
+from schedules.dispatch import STRATEGIES
+from schedules.rows import cached_inputs, estimated_registers, row_bytes
+
+NOMINAL = 4096  # stands for a symbolic extent
+NAMES = tuple(f"is_{name}" for name in STRATEGIES) + (
+    "log2_row_elements", "log2_rows", "log2_bytes", "reductions", "elementwise_epilogue", "symbolic",
+    "threads", "log2_blocks", "waves", "sm_utilisation", "occupancy", "log2_bytes_per_thread", "vector_bytes",
+    "staged", "staged_bytes_per_block", "log2_lanes_per_row")
+
+
+def _launch(knobs: dict, rows: int, device: Device) -> tuple[int, int, int, int]:
+    """(threads per block, blocks, lanes sharing a row, rows per block) of a candidate."""
+    strategy = knobs["strategy"]
+    if strategy == "warp_row":
+        group, per_block = int(knobs["group"]), int(knobs["rows_per_block"])
+        return group * per_block, math.ceil(rows / per_block), group, per_block
+    if strategy == "block_row":
+        return int(knobs["threads"]), rows, int(knobs["threads"]), 1
+    if strategy in ("grid_reduce", "grid_sync"):
+        threads, per_row = int(knobs["threads"]), int(knobs["blocks_per_row"])
+        return threads, rows * per_row, threads * per_row, 1
+    if strategy == "column_reduce":
+        cols, lanes = int(knobs["cols"]), int(knobs["lanes"])
+        return cols * lanes, math.ceil(rows / cols), lanes, cols
+    return 1, max(1, rows // max(1, device.sm_count)), int(knobs.get("lanes", 1)), 1  # cpu_rows
+
+
+def features(pattern: ReducePattern, knobs: dict, device: Device) -> np.ndarray:
+    rows = const_int(pattern.row_count) or NOMINAL
+    width = const_int(pattern.reduce_extent) or int(knobs.get("max_extent") or NOMINAL)
+    inputs = pattern.input_buffers()
+    element_bytes = sum(pattern.dtype_bytes(b) for b in inputs) or 4
+    threads, blocks, lanes, rows_per_block = _launch(knobs, rows, device)
+    staged = bool(knobs.get("cache")) and bool(cached_inputs(pattern))
+    staged_bytes = (row_bytes(pattern, cached_inputs(pattern)) or 0) * rows_per_block if staged else 0
+    resident = device.resident_blocks(threads, estimated_registers(pattern), staged_bytes) if device.is_gpu else 1
+    slots = max(1, device.sm_count * resident)
+    waves = blocks / slots
+    strategy = [float(knobs["strategy"] == name) for name in STRATEGIES]
+    epilogue = pattern.epilogue is not None and pattern.epilogue.dom_kind() != "S" * pattern.num_spatial
+    symbolic = const_int(pattern.row_count) is None or const_int(pattern.reduce_extent) is None
+    values = strategy + [
+        math.log2(width), math.log2(rows), math.log2(rows * width * element_bytes), len(pattern.reductions),
+        float(epilogue), float(symbolic), threads, math.log2(blocks), waves, blocks / (math.ceil(waves) * slots),
+        threads * resident / device.threads_per_sm if device.is_gpu else 1.0,
+        math.log2(max(1.0, width / lanes * element_bytes)), int(knobs.get("vec", 1)) * element_bytes,
+        float(staged), staged_bytes, math.log2(lanes)]
+    return np.asarray(values, dtype="float32")
+
+
+def candidate_features(func: tirx.PrimFunc, points: list[dict], target: Target) -> np.ndarray:
+    """[len(points), len(NAMES)] features of the candidates `points` of one task."""
+    pattern, device = match(func), device_of(target)
+    return np.stack([features(pattern, knobs, device) for knobs in points]) if points else np.zeros((0, len(NAMES)))

@@ -1,0 +1,37 @@
+"""Candidate features: one fixed-length, finite vector per point, moving the way the knobs say."""
+
+import numpy as np
+
+import tvm_ext
+from bench.suite import relax_module
+from conftest import CUDA_TARGET
+from search.features import NAMES, candidate_features
+from search.space import knob_space
+from search.tasks import extract_tasks
+
+TARGET = tvm_ext.parse_target(CUDA_TARGET)
+
+
+def table(op, shape, dtype):
+    (task,) = extract_tasks(relax_module(op, shape, dtype), TARGET)
+    points = knob_space(task.func, TARGET)
+    return points, candidate_features(task.func, points, TARGET)
+
+
+def test_one_finite_vector_per_point():
+    for op, shape, dtype in [("layer_norm", [8192, 4096], "float16"), ("row_sum", [64, 131072], "float32"),
+                             ("col_sum", [4096, 1024], "float32"), ("softmax", ["b", "s"], "float16")]:
+        points, x = table(op, shape, dtype)
+        assert x.shape == (len(points), len(NAMES)) and np.isfinite(x).all()
+
+
+def test_features_follow_the_knobs():
+    points, x = table("layer_norm", [8192, 4096], "float16")
+    col = {name: i for i, name in enumerate(NAMES)}
+    block = {(p["threads"], p["vec"], p["cache"]): row for p, row in zip(points, x) if p["strategy"] == "block_row"}
+    small, large = block[(128, 8, True)], block[(256, 8, True)]
+    assert large[col["log2_bytes_per_thread"]] == small[col["log2_bytes_per_thread"]] - 1  # twice the lanes
+    assert large[col["threads"]] == 2 * small[col["threads"]] and small[col["staged"]] == 1
+    assert block[(128, 1, True)][col["vector_bytes"]] < small[col["vector_bytes"]]
+    assert all(row[col["is_block_row"]] == 1 and row[col["is_warp_row"]] == 0 for row in block.values())
+    assert 0 < small[col["sm_utilisation"]] <= 1 and 0 < small[col["occupancy"]] <= 1
