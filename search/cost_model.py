@@ -1,0 +1,59 @@
+"""Cost model: XGBoost ranking candidates of a task by predicted speed.
+
+Trained on measured records, each task a query group (`rank:pairwise`: only the order within a
+task matters, so tasks of very different sizes train one model); it ranks the unmeasured points of
+a task, and a model trained on other tasks' records ranks a task it has never measured (transfer).
+Saved to and loaded from a file (XGBoost's JSON format) beside the tuning logs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import xgboost as xgb
+
+PARAMS = {"objective": "rank:pairwise", "eta": 0.2, "max_depth": 6, "min_child_weight": 1, "verbosity": 0,
+          "nthread": 2}
+ROUNDS = 60
+
+
+class CostModel:
+    """score(x) grows with predicted speed; untrained, it scores every candidate 0."""
+
+    def __init__(self, booster: xgb.Booster | None = None):
+        self.booster = booster
+
+    def fit(self, groups: list[tuple[np.ndarray, np.ndarray]]) -> "CostModel":
+        """groups: per task, (features [n, d], measured latency in us [n]); groups of one point teach nothing."""
+        groups = [(x, us) for x, us in groups if len(us) > 1]
+        if not groups:
+            return self
+        x = np.concatenate([g[0] for g in groups])
+        # relevance: within a task, the faster the higher (ranks, so scales across tasks do not matter)
+        relevance = np.concatenate([np.argsort(np.argsort(-us)).astype("float32") for _, us in groups])
+        data = xgb.DMatrix(x, label=relevance)
+        data.set_group([len(us) for _, us in groups])
+        self.booster = xgb.train(PARAMS, data, num_boost_round=ROUNDS)
+        return self
+
+    def score(self, x: np.ndarray) -> np.ndarray:
+        if self.booster is None or len(x) == 0:
+            return np.zeros(len(x), dtype="float32")
+        return self.booster.predict(xgb.DMatrix(x))
+
+    def save(self, path: str | os.PathLike) -> None:
+        if self.booster is None:
+            raise ValueError("an untrained cost model has nothing to save")
+        root, ext = os.path.splitext(os.fspath(path))
+        tmp = f"{root}.tmp{ext}"  # XGBoost picks the format by the extension: keep it
+        self.booster.save_model(tmp)
+        os.replace(tmp, path)  # a crash mid-write leaves the previous model whole
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "CostModel":
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"cost model {os.fspath(path)!r} does not exist")
+        booster = xgb.Booster()
+        booster.load_model(os.fspath(path))
+        return cls(booster)

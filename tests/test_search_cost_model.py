@@ -1,0 +1,42 @@
+"""The XGBoost cost model ranks held-out candidates and a never-measured task, and round-trips a file."""
+
+import numpy as np
+import pytest
+
+from search.cost_model import CostModel
+
+
+def synthetic_task(rng, n=60, scale=1.0):
+    """Latency that depends on two of five features (a bowl around 0.3 plus a slope), times a task scale."""
+    x = rng.random((n, 5)).astype("float32")
+    us = scale * (10 + 50 * (x[:, 0] - 0.3) ** 2 + 5 * x[:, 3]) + rng.normal(0, 0.1 * scale, n)
+    return x, us
+
+
+def rank_correlation(a, b):
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def test_ranks_held_out_points_and_an_unseen_task(rng):
+    train = [synthetic_task(rng, scale=s) for s in (1.0, 7.0, 40.0)]  # very different sizes
+    model = CostModel().fit(train)
+    for x, us in (synthetic_task(rng), synthetic_task(rng, scale=1000.0)):  # held out; a task never seen
+        assert rank_correlation(model.score(x), -us) > 0.7  # higher score, lower latency
+
+
+def test_untrained_scores_zero_and_single_points_teach_nothing(rng):
+    x, us = synthetic_task(rng, n=1)
+    model = CostModel().fit([(x, us)])
+    assert model.booster is None and (model.score(synthetic_task(rng)[0]) == 0).all()
+
+
+def test_save_and_load_give_the_same_scores(tmp_path, rng):
+    model = CostModel().fit([synthetic_task(rng), synthetic_task(rng, scale=3.0)])
+    model.save(tmp_path / "model.json")
+    x = synthetic_task(rng)[0]
+    np.testing.assert_array_equal(CostModel.load(tmp_path / "model.json").score(x), model.score(x))
+    with pytest.raises(FileNotFoundError, match="cost model .*missing.json"):
+        CostModel.load(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="untrained"):
+        CostModel().save(tmp_path / "empty.json")
