@@ -1,0 +1,72 @@
+"""Measurement in isolated processes: a good candidate is timed; crashing, hanging and wrong ones cost one trial."""
+
+import os
+import time
+
+import tvm_ext
+from bench.suite import relax_module
+from search.measure import measure, run_candidate
+from search.space import knob_space
+from search.tasks import extract_tasks
+
+TARGET = tvm_ext.parse_target("llvm")
+
+
+def task():
+    (t,) = extract_tasks(relax_module("softmax", [64, 300], "float32"), TARGET)
+    return t
+
+
+def crashing_runner(*args):
+    os._exit(3)
+
+
+def hanging_runner(*args):
+    time.sleep(60)
+
+
+def wrong_result_runner(*args):
+    """The real runner, with a template that writes zeros instead of the softmax."""
+    import tvm_ffi  # noqa: PLC0415
+    from tvm import tirx  # noqa: PLC0415
+
+    import schedules  # noqa: PLC0415
+
+    real = schedules.schedule
+
+    def zeroing(func, target, knobs):
+        out = func.params[-1]
+        zero = lambda st: tirx.BufferStore(st.buffer, tirx.const(0, st.value.ty.dtype), st.indices) \
+            if st.buffer.same_as(out) else st  # noqa: E731
+        return real(func.with_body(tvm_ffi.structural_map(func.body, (tirx.BufferStore, zero))), target, knobs)
+
+    schedules.schedule = zeroing
+    return run_candidate(*args)
+
+
+def test_good_candidates_are_timed_and_checked():
+    t = task()
+    results = measure(t.func, TARGET, knob_space(t.func, TARGET)[:2], timeout=120)
+    assert [r.error for r in results] == [None, None]
+    assert all(len(r.us) >= 3 and 0 < r.best_us < 1e5 for r in results)
+
+
+def test_crash_and_hang_cost_one_trial_each():
+    t = task()
+    started = time.monotonic()
+    (crashed,) = measure(t.func, TARGET, [{"strategy": "cpu_rows"}], runner=crashing_runner, timeout=30)
+    assert crashed.us == [] and "exit code 3" in crashed.error and time.monotonic() - started < 20
+    (hung,) = measure(t.func, TARGET, [{"strategy": "cpu_rows"}], runner=hanging_runner, timeout=3)
+    assert hung.us == [] and "timed out after 3 s" in hung.error
+
+
+def test_refused_knobs_are_an_error_not_a_latency():
+    t = task()
+    (result,) = measure(t.func, TARGET, [{"strategy": "warp_row", "group": 32, "rows_per_block": 4}], timeout=120)
+    assert result.us == [] and "refuses" in result.error
+
+
+def test_wrong_result_is_an_error_never_a_latency():
+    t = task()
+    (result,) = measure(t.func, TARGET, [{"strategy": "cpu_rows", "lanes": 1}], runner=wrong_result_runner, timeout=120)
+    assert result.us == [] and result.error.startswith("ValueError: wrong result"), result.error
