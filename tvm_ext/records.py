@@ -4,7 +4,9 @@ The pipeline reads logs, the tuner (`search/`) appends to them; both meet here s
 deployment build never has to import the tuner. One JSON object per line:
 
     {"version": 1, "key": "<task key>", "task": "fused_layer_norm", "tvm": "0.27.0.post1",
-     "knobs": {"strategy": "block_row", "threads": 256, ...}, "us": 31.2}
+     "knobs": {"strategy": "block_row", "threads": 256, ...}, "us": 31.2, "samples": [31.2, ...]}
+
+A failed measurement has "us": null and an "error"; the reader passes over it (it is the tuner's).
 
 A line that does not parse, or comes from another TVM version, is skipped with a warning:
 it must never be misapplied, and it must never stop a build.
@@ -58,6 +60,8 @@ class Database:
     def _add(self, line: str, number: int) -> None:
         try:
             rec = json.loads(line)
+            if rec.get("error") is not None and rec.get("version") == VERSION:
+                return  # a failed candidate: kept in the log for the tuner, never a best
             key, knobs, us = rec["key"], rec["knobs"], float(rec["us"])
             usable = rec.get("version") == VERSION and rec.get("tvm") == tvm.__version__ and isinstance(knobs, dict)
         except (ValueError, KeyError, TypeError):
@@ -73,10 +77,16 @@ class Database:
         return dict(entry[1]) if entry else None
 
 
-def append_record(path: str | os.PathLike, func: tirx.PrimFunc, target: Target, task: str, knobs: dict, us: float):
-    """Append one measured record; a whole line per write under a lock, so tuners may share a log."""
+def append_record(path: str | os.PathLike, func: tirx.PrimFunc, target: Target, task: str, knobs: dict,
+                  us: float | None, error: str | None = None, samples: list | None = None):
+    """Append one measurement (its best latency, or the error that made it fail); a whole line per
+    write under a lock, so tuners may share a log."""
     rec = {"version": VERSION, "key": task_key(func, target), "task": task, "tvm": tvm.__version__,
-           "knobs": knobs, "us": float(us)}
+           "knobs": knobs, "us": None if us is None else float(us)}
+    if error is not None:
+        rec["error"] = error
+    if samples:
+        rec["samples"] = [float(t) for t in samples]
     with open(path, "a", encoding="utf-8") as log:
         fcntl.flock(log, fcntl.LOCK_EX)
         log.write(json.dumps(rec, sort_keys=True) + "\n")
