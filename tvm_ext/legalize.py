@@ -45,13 +45,9 @@ def _layer_norm_float32(variance: str):
 
 
 def _variance(algorithm: str):
-    one_pass_form = {"welford": welford.legalize_variance, "one_pass": welford.legalize_one_pass_variance}[algorithm]
-
     def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
-        if welford.algorithm_for(call, algorithm) == "two_pass":
-            return bb.call_te(welford.two_pass_variance_te, call.args[0], welford.axes_of(call),
-                              bool(call.attrs.keepdims), primfunc_name_hint="variance")
-        return one_pass_form(bb, call)
+        return bb.call_te(welford.variance_te, call.args[0], welford.axes_of(call), bool(call.attrs.keepdims),
+                          welford.algorithm_for(call, algorithm), primfunc_name_hint="variance")
 
     return legalize
 
@@ -75,8 +71,7 @@ def _std(algorithm: str):
             axes = welford.axes_of(call)
             var = welford.statistics_te(x, axes, welford.algorithm_for(call, algorithm))[1]
             out = topi.cast(topi.sqrt(var), x.dtype)
-            return topi.reshape(out, [1 if i in axes else x.shape[i] for i in range(len(x.shape))]) \
-                if call.attrs.keepdims else out
+            return welford.keep_dims(out, x, axes) if call.attrs.keepdims else out
 
         return bb.call_te(std, call.args[0], primfunc_name_hint="std")
 

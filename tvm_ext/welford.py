@@ -128,37 +128,27 @@ def statistics_te(x, axes: list[int], algorithm: str):
     return te.compute(kept, lambda *i: (total(*i) / count, squared(*i) / count), name="statistics")
 
 
-def _keep_dims(t, x, axes):
+def keep_dims(t, x, axes):
+    """`t` (x without `axes`) reshaped to x's rank, 1 on `axes`."""
     return topi.reshape(t, [1 if i in axes else x.shape[i] for i in range(len(x.shape))])
 
 
-def variance_te(x, axes: list[int], keepdims: bool):
-    """Population variance of `x` over `axes`, in one Welford reduction (the unused mean output
-    is not part of the function: only what the returned tensor depends on is)."""
-    return mean_variance_te(x, axes, keepdims)[1]
+def variance_te(x, axes: list[int], keepdims: bool, algorithm: str):
+    """Population variance of `x` over `axes` by `algorithm` (see statistics_te), in x's dtype.
 
-
-def two_pass_variance_te(x, axes: list[int], keepdims: bool):
-    """The mean, then the mean squared deviation from it (x read twice), computed in float32."""
-    var = _cast(statistics_te(x, axes, "two_pass")[1], x.dtype)
-    return _keep_dims(var, x, axes) if keepdims else var
-
-
-def one_pass_variance_te(x, axes: list[int], keepdims: bool):
-    """E[x^2] - E[x]^2 from one reduction of (sum, sum of squares): fast, and wrong far from zero.
-
-    Kept for comparison (`variance="one_pass"`): the cancellation loses every digit once the mean
-    is large against the spread, and can even go negative.
+    Only what the result depends on is in the function (Welford's unused mean is not). "one_pass"
+    is kept for comparison: its cancellation loses every digit once the mean is large against
+    the spread, and can even go negative.
     """
-    var = _cast(statistics_te(x, axes, "one_pass")[1], x.dtype)
-    return _keep_dims(var, x, axes) if keepdims else var
+    var = _cast(statistics_te(x, axes, algorithm)[1], x.dtype)
+    return keep_dims(var, x, axes) if keepdims else var
 
 
 def mean_variance_te(x, axes: list[int], keepdims: bool):
     """(mean, population variance) of `x` over `axes` (sorted, non-negative) from one Welford
     reduction: one read of x."""
     outs = [_cast(t, x.dtype) for t in statistics_te(x, axes, "welford")]
-    return [_keep_dims(t, x, axes) for t in outs] if keepdims else outs
+    return [keep_dims(t, x, axes) for t in outs] if keepdims else outs
 
 
 def _cast(t, dtype):
@@ -168,16 +158,6 @@ def _cast(t, dtype):
 def axes_of(call: relax.Call) -> list[int]:
     rank = len(call.args[0].ty.shape.values)
     return list(range(rank)) if call.attrs.axis is None else sorted(int(a) % rank for a in call.attrs.axis)
-
-
-def legalize_variance(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
-    return bb.call_te(variance_te, call.args[0], axes_of(call), bool(call.attrs.keepdims),
-                      primfunc_name_hint="variance")
-
-
-def legalize_one_pass_variance(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
-    return bb.call_te(one_pass_variance_te, call.args[0], axes_of(call), bool(call.attrs.keepdims),
-                      primfunc_name_hint="variance")
 
 
 @mutator
