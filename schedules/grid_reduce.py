@@ -178,9 +178,16 @@ def row_element_vars(block, row, k) -> dict:
     return mapping
 
 
+def extern_name(expr) -> str | None:
+    """The function name of a `call_extern` (a template's placeholders, CUDA builtins); else None."""
+    if isinstance(expr, tvm.ir.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == "tirx.call_extern":
+        return str(expr.args[0].value)
+    return None
+
+
 def placeholder(name: str):
     """A test for the call_extern("name", ...) that a TVMScript template leaves to be spliced."""
-    return lambda e: isinstance(e.op, tvm.ir.Op) and e.op.name == "tirx.call_extern" and e.args[0].value == name
+    return lambda e: extern_name(e) == name
 
 
 def copy_attrs(template: tirx.PrimFunc, func: tirx.PrimFunc) -> tirx.PrimFunc:
@@ -253,7 +260,7 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
     is_value, is_finish = placeholder("gr_value"), placeholder("gr_finish")
     body = tvm_ffi.structural_map(grid.body, [
         (tvm.ir.Call, lambda e: splice_value(e) if is_value(e) else e),
-        (tirx.Evaluate, lambda s: splice_finish(s) if isinstance(s.value, tvm.ir.Call) and is_finish(s.value) else s),
+        (tirx.Evaluate, lambda s: splice_finish(s) if is_finish(s.value) else s),
     ])
     zeroed = [([rows], "int32"), ([rows * blocks], acc_dtype)]
     return s_tir.Schedule(copy_attrs(grid.with_body(body).with_attr(ZEROED_INPUTS, zeroed), func))

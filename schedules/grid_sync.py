@@ -27,8 +27,8 @@ from tvm import s_tir, tirx
 from .analysis import ROW, ReducePattern, const_int
 from .device import Device
 from . import reducers
-from .grid_reduce import (COMBINERS, MIN_ROW, ZEROED_INPUTS, buffer_decl, combiner_parts, copy_attrs, grid_split,
-                          map_vars, row_element_vars)
+from .grid_reduce import (COMBINERS, MIN_ROW, ZEROED_INPUTS, buffer_decl, combiner_parts, copy_attrs, extern_name,
+                          grid_split, map_vars, row_element_vars)
 from .rows import MAX_EPILOGUE_LANES, vector_choices, vector_lanes
 
 NAME = "grid_sync"
@@ -97,21 +97,21 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
     return {"strategy": NAME, "blocks_per_row": slots // rows, "threads": THREADS, "vec": vector_lanes(pattern)}
 
 
-def _template(func, chain, rows, blocks, threads, vec, chunk, width, staged, per_row) -> str:
+def _template(func, chain, rows, blocks, threads, vec, chunk, width, staged, per_row, workspace) -> str:
     """The kernel as TVMScript; call_extern placeholders stand for the spliced values and epilogue.
 
     Placeholders get (row, position in the row, block, position in the block's chunk). With
     `staged` (an input's name), the block first copies its chunk of that input into shared memory
     in 16-byte pieces, so HBM sees it once however many passes read it. State value c of
     reduction i lives in gs_part{i}_{c} (this block's), a slice of the workspace gs_ws_<dtype>
-    (every block's, in global memory; see _workspace) and gs_tot{i}_{c} (the row's).
+    (every block's, in global memory; `workspace` is _workspace's answer) and gs_tot{i}_{c} (the row's).
     """
     n_in, B, G = len(func.params) - 1, rows * blocks, blocks
     i64 = lambda v: f"T.int64({v})"  # noqa: E731
     G_, B_, T_ = i64(G), i64(B), i64(threads)
     states = [(i, c, dtype) for i, r in enumerate(chain) for c, dtype in enumerate(r.dtypes)]
     params = [f"{p.name}: {buffer_decl(p)}" for p in func.params[:n_in]]
-    slots, sizes = _workspace(chain, B)
+    slots, sizes = workspace
     params += [f'gs_ws_{dtype}: T.Buffer(({i64(size)},), "{dtype}")' for dtype, size in sizes.items()]
 
     def partial(i, c, index):
@@ -276,14 +276,15 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
     func = pattern.sch.mod["main"]
     staged = _staged_input(pattern, chunk, device) if knobs.get("cache", True) else None
     per_row = len(epilogue.iter_vars) == 1
-    grid = tvm.script.from_source(_template(func, chain, rows, blocks, threads, vec, chunk, width, staged, per_row))
+    slots, sizes = _workspace(chain, rows * blocks)
+    grid = tvm.script.from_source(_template(func, chain, rows, blocks, threads, vec, chunk, width, staged, per_row,
+                                            (slots, sizes)))
 
     buffers = dict(zip(func.params, list(grid.params[:len(func.params) - 1]) + [grid.params[-1]]))
     local = {}
     tvm_ffi.structural_walk(grid.body, (s_tir.SBlock, lambda b: local.update(
         {buf.name: buf for buf in b.alloc_buffers})), order="pre")
     workspace = {p.name: p for p in grid.params if p.name.startswith("gs_ws_")}
-    slots, sizes = _workspace(chain, rows * blocks)
 
     def state_loads(e, kind, i, vb):
         """A load of reduction i's state value c, as gs_{kind}{i}_{c}[vb]; None for other loads."""
@@ -354,10 +355,7 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
                                 [map_vars(i, row_element_vars(epilogue, row, k)) for i in store.indices])
 
     def splice_statement(st):
-        if not (isinstance(st.value, tvm.ir.Call) and isinstance(st.value.op, tvm.ir.Op)
-                and st.value.op.name == "tirx.call_extern"):
-            return st
-        name = str(st.value.args[0].value)
+        name = extern_name(st.value) or ""
         if name == "gs_epilogue":
             return splice_epilogue(st)
         if name.startswith("gs_update"):
@@ -366,10 +364,8 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
             return splice_merge(index_of(name, "gs_merge"), *st.value.args[1:3])
         return st
 
-    is_value = lambda e: isinstance(e.op, tvm.ir.Op) and e.op.name == "tirx.call_extern" and str(  # noqa: E731
-        e.args[0].value).startswith("gs_value")
     body = tvm_ffi.structural_map(grid.body, [
-        (tvm.ir.Call, lambda e: splice_value(e) if is_value(e) else e),
+        (tvm.ir.Call, lambda e: splice_value(e) if (extern_name(e) or "").startswith("gs_value") else e),
         (tirx.Evaluate, splice_statement),
     ])
     zeroed = [([size], dtype) for dtype, size in sizes.items()]

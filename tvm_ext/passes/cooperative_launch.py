@@ -18,6 +18,7 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
+from schedules.grid_reduce import extern_name
 from schedules.grid_sync import GRID_SYNC
 
 COOPERATIVE_LAUNCH = "tirx.use_cooperative_launch"
@@ -28,8 +29,8 @@ HEADER = "#include <cooperative_groups.h>\n"
 
 def calls_grid_sync(func: tirx.PrimFunc) -> bool:
     found = []
-    is_sync = lambda e: isinstance(e.op, tvm.ir.Op) and e.op.name == "tirx.call_extern" and e.args[0].value == GRID_SYNC  # noqa: E731
-    tvm_ffi.structural_walk(func.body, (tvm.ir.Call, lambda e: found.append(e) if is_sync(e) else None), order="pre")
+    tvm_ffi.structural_walk(func.body, (tvm.ir.Call, lambda e: found.append(e) if extern_name(e) == GRID_SYNC else None),
+                            order="pre")
     return bool(found)
 
 
