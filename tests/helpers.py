@@ -4,6 +4,7 @@ import ml_dtypes
 import numpy as np
 import tvm
 import tvm_ffi
+from tvm import relax
 from tvm.runtime.vm import VirtualMachine
 
 from bench.suite import concrete_shape, load_suite, random_inputs, reference
@@ -34,6 +35,17 @@ def run_case(executable, device, op, shape, dtype, rng):
     return [o.numpy().astype("float64") for o in outs], reference(op, arrays)
 
 
+def variance_module(rows, width, dtype: str = "float32") -> tvm.IRModule:
+    """`relax.op.variance` over the rows of a [rows, width] input."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([rows, width], dtype))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.variance(x, axis=[1]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
 def assert_close(outs, refs, dtype):
     assert len(outs) == len(refs)
     for out, ref in zip(outs, refs):
@@ -53,4 +65,4 @@ def instantiate(case: dict, shape: list, row_cap: int = 5) -> list[dict]:
     return combos
 
 
-__all__ = ["CASES", "assert_close", "concrete_shape", "instantiate", "run_case", "small_shape"]
+__all__ = ["CASES", "assert_close", "concrete_shape", "instantiate", "run_case", "small_shape", "variance_module"]

@@ -3,12 +3,11 @@
 import numpy as np
 import pytest
 import tvm
-from tvm import relax
 from tvm.runtime.vm import VirtualMachine
 
 import tvm_ext
 from bench.suite import relax_module
-from helpers import CASES, assert_close, concrete_shape, instantiate, run_case
+from helpers import CASES, assert_close, concrete_shape, instantiate, run_case, variance_module
 from patterns import PATTERNS, check, module
 
 pytestmark = pytest.mark.gpu
@@ -43,14 +42,9 @@ def test_symbolic_width_variants_on_gpu(width, rng):
 @pytest.mark.parametrize("width", [1000, 21952, 401408])
 def test_welford_variance_on_gpu(width, rng):
     # the cross-thread combine must see each component's old value (state order matters in TVM)
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType([5, width], "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            out = bb.emit_output(relax.op.variance(x, axis=[1]))
-        bb.emit_func_output(out)
     xs = (rng.standard_normal((5, width)) * 2 + 0.5).astype("float32")
-    got = VirtualMachine(tvm_ext.build(bb.get(), "cuda"), tvm.cuda(0))["main"](tvm.runtime.tensor(xs, tvm.cuda(0)))
+    got = VirtualMachine(tvm_ext.build(variance_module(5, width), "cuda"), tvm.cuda(0))["main"](
+        tvm.runtime.tensor(xs, tvm.cuda(0)))
     ref = xs.astype("float64").var(1)
     assert float(np.max(np.abs(got.numpy() - ref) / ref)) < 1e-5
 
@@ -94,17 +88,11 @@ def test_grid_sync_on_gpu_twice_in_a_row(op, shape, dtype, variance, rng):
 @pytest.mark.parametrize("width", [1024, 8192, 65536, 262144])
 @pytest.mark.parametrize("mean", [0.0, 1e4])
 def test_welford_variance_meets_1e_6_on_gpu_where_one_pass_fails(width, mean, rng):
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType([3, width], "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            out = bb.emit_output(relax.op.variance(x, axis=[1]))
-        bb.emit_func_output(out)
     xs = (rng.standard_normal((3, width)) + mean).astype("float32")
     ref = xs.astype("float64").var(1)
 
     def error(algorithm):
-        vm = VirtualMachine(tvm_ext.build(bb.get(), "cuda", variance=algorithm), tvm.cuda(0))
+        vm = VirtualMachine(tvm_ext.build(variance_module(3, width), "cuda", variance=algorithm), tvm.cuda(0))
         return float(np.max(np.abs(vm["main"](tvm.runtime.tensor(xs, tvm.cuda(0))).numpy() - ref) / ref))
 
     assert error("welford") <= 1e-6

@@ -12,6 +12,7 @@ import tvm_ext
 from bench.suite import relax_module
 from conftest import CUDA_TARGET
 from barriers import divergent_barriers
+from helpers import variance_module
 from tvm_ext.passes.cooperative_launch import COOPERATIVE_LAUNCH, DYNAMIC_SHARED_MEMORY, LAUNCH_PARAMS
 from tvm_ext.pipeline import fused_reduce_functions
 
@@ -114,17 +115,10 @@ def test_welford_state_crosses_the_grid_barrier_as_three_values():
 
 
 def test_variance_of_few_huge_rows_is_one_welford_kernel_written_by_each_rows_first_block():
-    from tvm import relax  # noqa: PLC0415
-
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType([64, 131072], "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            out = bb.emit_output(relax.op.variance(x, axis=[1]))
-        bb.emit_func_output(out)
-    (plan,) = [schedules.plan(f, TARGET) for f in fused_reduce_functions(bb.get(), TARGET).values()]
+    module = variance_module(64, 131072)
+    (plan,) = [schedules.plan(f, TARGET) for f in fused_reduce_functions(module, TARGET).values()]
     assert [(k["strategy"], k["blocks_per_row"]) for _, k in plan] == [("grid_sync", 4)]
-    src = tvm_ext.cuda_source(tvm_ext.build(bb.get(), CUDA_TARGET))
+    src = tvm_ext.cuda_source(tvm_ext.build(module, CUDA_TARGET))
     assert src.count("cooperative_groups::this_grid().sync();") == 1
     assert re.search(r"if \(\(\(\(\(int\)blockIdx\.x\) % 4\) == 0\) && \(\(\(int\)threadIdx\.x\) == 0\)\) \{\s*"
                      r"variance_out_ptr\[\(\(\(int\)blockIdx\.x\) >> 2\)\] = \(gs_tot0_0_ptr\[0\]", src)

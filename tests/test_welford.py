@@ -7,22 +7,12 @@ import warnings
 import numpy as np
 import pytest
 import tvm
-from tvm import relax
 from tvm.runtime.vm import VirtualMachine
 from tvm.support import nvcc
 
 import tvm_ext
 from conftest import CUDA_TARGET
-
-
-def variance_module(rows, width):
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType([rows, width], "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            out = bb.emit_output(relax.op.variance(x, axis=[1]))
-        bb.emit_func_output(out)
-    return bb.get()
+from helpers import variance_module
 
 
 def relative_error(algorithm, xs):
@@ -93,12 +83,7 @@ def test_bfloat16_variance_on_the_cpu_is_right(rng):
     # TVM's CPU bf16 legalization breaks multi-value reductions; bf16 statistics take two passes there
     import ml_dtypes  # noqa: PLC0415
 
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType([3, 256], "bfloat16"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            out = bb.emit_output(relax.op.variance(x, axis=[1]))
-        bb.emit_func_output(out)
     xs = rng.standard_normal((3, 256)).astype(ml_dtypes.bfloat16)
-    got = VirtualMachine(tvm_ext.build(bb.get(), "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(xs)).numpy()
+    got = VirtualMachine(tvm_ext.build(variance_module(3, 256, "bfloat16"), "llvm"), tvm.cpu())["main"](
+        tvm.runtime.tensor(xs)).numpy()
     np.testing.assert_allclose(got.astype("float64"), xs.astype("float64").var(1), rtol=2e-2)
