@@ -62,6 +62,7 @@ def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
             for vec in vector_choices(pattern)
             for cache in (False, True) if not cache or staged]
 
+
 def apply(pattern: ReducePattern, device: Device, knobs: dict):
     threads = int(knobs["threads"])
     if not device.is_gpu or pattern.layout != ROW or threads > device.max_threads or threads % device.warp:

@@ -29,6 +29,7 @@ def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
     return [{"strategy": NAME, "cols": cols, "lanes": lanes}
             for cols in (4, 8, 16, 32) for lanes in (16, 32, 64, 128, 256) if cols * lanes <= device.max_threads]
 
+
 def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule | None:
     if not device.is_gpu or pattern.layout != COLUMN:
         return None

@@ -25,6 +25,7 @@ def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
     """Partial results per reduction: none (1), 16 or 64."""
     return [] if device.is_gpu else [{"strategy": NAME, "lanes": lanes} for lanes in (1, 16, 64)]
 
+
 def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule | None:
     if device.is_gpu:
         return None

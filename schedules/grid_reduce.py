@@ -221,6 +221,7 @@ def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
             if rows * blocks <= 2 * device.sm_count * device.resident_blocks(threads)
             for vec in vector_choices(pattern)]
 
+
 def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule | None:
     found, split = _reduction(pattern), grid_split(pattern, device, knobs)
     if found is None or split is None:

@@ -263,6 +263,7 @@ def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
             if rows * blocks <= cooperative_slots(device, threads)
             for vec in vector_choices(pattern) for cache in (True, False)]
 
+
 def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule | None:
     found, split = _chain(pattern), grid_split(pattern, device, knobs)
     if found is None or split is None:

@@ -43,6 +43,7 @@ def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
             for vec in vector_choices(pattern) if group * vec <= n
             for cache in (False, True) if not cache or worth_caching(pattern, rows)]
 
+
 def apply(pattern: ReducePattern, device: Device, knobs: dict):
     group, rows = int(knobs["group"]), int(knobs["rows_per_block"])
     width = const_int(pattern.reduce_extent) or knobs.get("max_extent")
