@@ -35,15 +35,27 @@ def plan(func: tirx.PrimFunc, target: Target) -> list[tuple]:
     The last entry's condition is None (it serves whatever the others do not); [] when no
     strategy fits.
     """
-    pattern = match(func)
+    return [(condition, knobs) for condition, knobs, _ in _plan(func, target, build=False)]
+
+
+def scheduled(func: tirx.PrimFunc, target: Target) -> list[tuple]:
+    """plan(func, target) with each kernel's Schedule: [(condition, knobs, Schedule | None), ...]."""
+    return _plan(func, target, build=True)
+
+
+def _plan(func, target, build: bool) -> list[tuple]:
+    """Heuristic proposals are applied once to learn that their strategy accepts them: that
+    Schedule is handed on, not rebuilt. Width classes are scheduled only when `build`."""
+    pattern, device = match(func), device_of(target)
     if pattern is None:
         return []
     extent = pattern.reduce_extent
-    if device_of(target).is_gpu and pattern.layout == ROW and const_int(extent) is None:
-        return [(None if bound is None else extent <= bound, dict(knobs, max_extent=bound))
-                for bound, knobs in DYNAMIC_ROW_VARIANTS]
-    knobs = _first_applicable(func, pattern, device_of(target))
-    return [(None, knobs)] if knobs else []
+    if device.is_gpu and pattern.layout == ROW and const_int(extent) is None:
+        variants = [(None if bound is None else extent <= bound, dict(knobs, max_extent=bound))
+                    for bound, knobs in DYNAMIC_ROW_VARIANTS]
+        return [(condition, knobs, schedule(func, target, knobs) if build else None) for condition, knobs in variants]
+    found = _first_applicable(func, pattern, device)
+    return [(None, *found)] if found else []
 
 
 def _proposals(pattern, device):
@@ -54,27 +66,30 @@ def _proposals(pattern, device):
             yield knobs
 
 
-def _first_applicable(func, pattern, device) -> dict | None:
-    """The first proposal whose strategy also applies (a proposal may still be refused by apply)."""
+def _first_applicable(func, pattern, device) -> tuple | None:
+    """(knobs, Schedule) of the first proposal whose strategy also applies (a proposal may still
+    be refused by apply)."""
     for knobs in _proposals(pattern, device):
-        if STRATEGIES[knobs["strategy"]].apply(match(func), device, knobs) is not None:  # on a fresh schedule
-            return knobs
+        sch = STRATEGIES[knobs["strategy"]].apply(match(func), device, knobs)  # on a fresh schedule
+        if sch is not None:
+            return knobs, sch
     return None
 
 
 def heuristic_knobs(func: tirx.PrimFunc, target: Target) -> dict | None:
     """The knobs the heuristic picks for `func`, or None if no strategy fits it."""
     pattern = match(func)
-    return None if pattern is None else _first_applicable(func, pattern, device_of(target))
+    found = None if pattern is None else _first_applicable(func, pattern, device_of(target))
+    return found[0] if found else None
 
 
 def schedule(func: tirx.PrimFunc, target: Target, knobs: dict | None = None) -> s_tir.Schedule | None:
     """Schedule `func` with `knobs` (or the heuristic's); None when no strategy of ours fits."""
-    knobs = knobs or heuristic_knobs(func, target)
-    if knobs is None:
-        return None
-    strategy = STRATEGIES.get(knobs.get("strategy"))
     pattern = match(func)
-    if strategy is None or pattern is None:
+    if pattern is None:
         return None
-    return strategy.apply(pattern, device_of(target), knobs)
+    if not knobs:
+        found = _first_applicable(func, pattern, device_of(target))
+        return found[1] if found else None
+    strategy = STRATEGIES.get(knobs.get("strategy"))
+    return None if strategy is None else strategy.apply(pattern, device_of(target), knobs)

@@ -173,7 +173,7 @@ def _unlowerable(a: T.Buffer((128,), "float32"), b: T.Buffer((1,), "float32")):
 def test_schedule_that_fails_in_lowering_falls_back(monkeypatch):
     import schedules  # noqa: PLC0415
 
-    monkeypatch.setattr(schedules, "schedule", lambda func, target, knobs=None: s_tir.Schedule(_unlowerable))
+    monkeypatch.setattr(schedules, "scheduled", lambda func, target: [(None, {}, s_tir.Schedule(_unlowerable))])
     with pytest.warns(UserWarning, match=r"tvm_ext: softmax: InternalError: .*falling back to TVM's default schedule"):
         ex = tvm_ext.build(relax_module("softmax", [8, 300], "float32"), CUDA_TARGET)
     assert tvm_ext.cuda_kernels(ex) == ["softmax_kernel"]  # TVM's rules built the original function

@@ -54,8 +54,8 @@ class ScheduleReductions:
                 continue
             knobs = self.database.lookup(func, target) if self.database else None
             try:
-                plan = [(None, knobs)] if knobs else schedules.plan(func, target)
-                kernels = [(cond, schedules.schedule(func, target, k)) for cond, k in plan]
+                kernels = ([(None, schedules.schedule(func, target, knobs))] if knobs else
+                           [(cond, sch) for cond, _, sch in schedules.scheduled(func, target)])
                 for _, sch in kernels if "gpu" in target.keys else []:  # CPU schedules are plain loops
                     if sch is not None:
                         _check_lowers(sch.mod["main"], gv.name_hint, target)
