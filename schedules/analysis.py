@@ -137,24 +137,31 @@ def is_reduce_subgraph(func: tirx.PrimFunc) -> bool:
     return bool(blocks) and not any(_is_contraction(b) for b in blocks)
 
 
-def _widen_union_reads(func: tirx.PrimFunc) -> tirx.PrimFunc:
+def _widen_union_reads(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     """Declare whole dimensions where inlining left a read region that is a union (min/max of
     iterators, e.g. Welford's pivot x[r, 0] beside x[r, k]): once loops are split over threads,
-    TVM cannot bound such a region and a shared-memory stage of it gets a symbolic size."""
+    TVM cannot bound such a region and a shared-memory stage of it gets a symbolic size.
+    None when no region needs it."""
 
     def is_union(rng):
         found = []
         tvm_ffi.structural_walk(rng.min, [(tirx.Min, found.append), (tirx.Max, found.append)], order="pre")
         return bool(found)
 
+    widened = []
+
     def widen(block):
+        if not any(is_union(rng) for r in block.reads for rng in r.region):
+            return block
+        widened.append(block.name_hint)
         reads = [tvm.ir.TensorRegion(r.source, [tvm.ir.Range.from_min_extent(tirx.const(0, d.ty.dtype), d)
                                                 if is_union(rng) else rng for rng, d in zip(r.region, r.source.shape)], r.ty)
                  for r in block.reads]
         return s_tir.SBlock(block.iter_vars, reads, block.writes, block.name_hint, block.body, block.init,
                             block.alloc_buffers, block.match_buffers, block.annotations)
 
-    return func.with_body(tvm_ffi.structural_map(func.body, (s_tir.SBlock, widen)))
+    body = tvm_ffi.structural_map(func.body, (s_tir.SBlock, widen))
+    return func.with_body(body) if widened else None
 
 
 def match(func: tirx.PrimFunc) -> ReducePattern | None:
@@ -166,8 +173,10 @@ def match(func: tirx.PrimFunc) -> ReducePattern | None:
     infos = try_inline_contiguous_spatial(sch, infos)
     if not infos or not any(info.is_reduction() for info in infos):
         return None
-    sch = s_tir.Schedule(_widen_union_reads(sch.mod["main"]))
-    infos = normalize_prim_func(sch)
+    widened = _widen_union_reads(sch.mod["main"])
+    if widened is not None:  # a fresh schedule of the function with its reads widened
+        sch = s_tir.Schedule(widened)
+        infos = normalize_prim_func(sch)
     kind = infos[0].dom_kind()
     num_spatial = len(kind) - len(kind.lstrip("S"))
     num_reduce = len(kind) - num_spatial
