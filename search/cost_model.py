@@ -13,6 +13,8 @@ import os
 import numpy as np
 import xgboost as xgb
 
+from .features import SCHEMA
+
 PARAMS = {"objective": "rank:pairwise", "eta": 0.2, "max_depth": 6, "min_child_weight": 1, "verbosity": 0,
           "nthread": 2}
 ROUNDS = 60
@@ -57,3 +59,15 @@ class CostModel:
         booster = xgb.Booster()
         booster.load_model(os.fspath(path))
         return cls(booster)
+
+
+def logged_groups(records, exclude: set = frozenset()) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Training groups (one per task key) from log records: successful measurements whose
+    features have this feature schema; keys in `exclude` are left out (their search owns them)."""
+    by_key: dict = {}
+    for rec in records:
+        feats = rec.get("features") or {}
+        if rec.get("error") is None and feats.get("schema") == SCHEMA and rec["key"] not in exclude:
+            by_key.setdefault(rec["key"], []).append((feats["values"], rec["us"]))
+    return [(np.asarray([f for f, _ in rows], dtype="float32"), np.asarray([us for _, us in rows]))
+            for rows in by_key.values()]

@@ -6,6 +6,7 @@ strategy alike, so one model ranks candidates across strategies and transfers ac
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
@@ -22,6 +23,8 @@ NAMES = tuple(f"is_{name}" for name in STRATEGIES) + (
     "log2_row_elements", "log2_rows", "log2_bytes", "reductions", "elementwise_epilogue", "symbolic",
     "threads", "log2_blocks", "waves", "sm_utilisation", "occupancy", "log2_bytes_per_thread", "vector_bytes",
     "staged", "staged_bytes_per_block", "log2_lanes_per_row")
+# Names (and so meaning) of a logged feature vector: records of another schema are not trained on
+SCHEMA = hashlib.sha1(",".join(NAMES).encode()).hexdigest()[:12]
 
 
 def _launch(knobs: dict, rows: int, device: Device) -> tuple[int, int, int, int]:

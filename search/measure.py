@@ -1,22 +1,31 @@
-"""Measurement: build and time candidates in isolated processes, and check them against a reference.
+"""Measurement: build candidates in parallel worker processes, run them in an isolated one.
 
-Each candidate runs in its own fresh process (spawn) with a time limit, so a candidate that
-crashes or hangs costs one trial and never the tuning run. Before timing, its outputs are compared
-with the task's reference (the same function as TVM builds it without our schedules): a wrong
-result is an error, never a latency. Inputs are random; symbolic dims take the values given.
+Builders schedule a candidate, compile it and export a shared library; several work at once. The
+runner loads each library, checks the candidate's output against the task's reference (the same
+function as TVM builds it for the CPU without our schedules) and only then times it: a wrong
+result is an error, never a latency. Workers are long-lived processes (a fresh import of TVM costs
+more than a build), and a worker whose job crashes, overruns its time limit or fails is replaced,
+so a bad candidate costs one trial, never the tuning run, and never poisons the next candidate's
+CUDA context. On a GPU the L2 cache is flushed before every timed call, as the benchmark does.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
+import tempfile
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import tvm
 
-REPEAT = 5
+from .features import NOMINAL
+
+REPEAT = 20  # timed calls per candidate on a GPU (each after an L2 flush); CPU: repeats of 10 calls
+FLUSH_BYTES = 256 << 20  # twice the largest L2 we target
+POLL_S = 0.01
 
 
 @dataclass
@@ -30,25 +39,17 @@ class Result:
         return min(self.us) if self.us else float("inf")
 
 
-def _concrete(shape, dims: dict) -> list[int]:
-    return [int(d.value) if hasattr(d, "value") else int(dims[d.name]) for d in shape]
+def _error_text(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[-1] if text else ''}"
 
 
-def _arrays(func, dims: dict, rng) -> list[np.ndarray]:
-    """Random inputs, zeroed outputs, for every parameter buffer of `func`."""
-    arrays = []
-    for i, param in enumerate(func.params):
-        shape, dtype = _concrete(param.shape, dims), str(param.ty.dtype)
-        is_input = i < len(func.params) - 1
-        arrays.append(rng.standard_normal(shape).astype(dtype) if is_input and "float" in dtype else
-                      np.zeros(shape, dtype))
-    return arrays
+# ---- what the workers run ------------------------------------------------------------------
 
-
-def run_candidate(func_json: str, target_json: str, knobs: dict, dims: dict, repeat: int = REPEAT) -> list[float]:
-    """In the worker: schedule, build, check against the unscheduled build, time. Latencies in us."""
-    import tvm_ext  # noqa: F401,PLC0415  (registers our reducers and passes in this fresh process)
-    import schedules  # noqa: PLC0415
+def build_candidate(func_json: str, target_json: str, knobs: dict, out_dir: str) -> tuple[str, list]:
+    """Schedule and compile one candidate; (library path, shapes of the zero-filled inputs it needs)."""
+    import schedules  # noqa: PLC0415  (imports here: this runs in a fresh worker)
+    import tvm_ext  # noqa: F401,PLC0415  (registers our reducers, passes and source hook)
     from schedules.grid_reduce import ZEROED_INPUTS  # noqa: PLC0415
     from tvm_ext.passes import TIR_PIPELINE  # noqa: PLC0415
 
@@ -57,60 +58,231 @@ def run_candidate(func_json: str, target_json: str, knobs: dict, dims: dict, rep
     if sch is None:
         raise ValueError(f"the template refuses knobs {knobs}")
     scheduled = sch.mod["main"].with_attr("global_symbol", "main")
-    device = tvm.cpu() if target.kind.name == "llvm" else tvm.device(target.kind.name)
-    rng = np.random.default_rng(0)
-    inputs = _arrays(func, dims, rng)
-    reference = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target="llvm")
-    expected = [tvm.runtime.tensor(a) for a in inputs]
-    reference["main"](*expected)
-    extra = [np.zeros(shape, dtype) for shape, dtype in (scheduled.attrs or {}).get(ZEROED_INPUTS, [])]
     lib = tvm.compile(tvm.IRModule({"main": scheduled}), target=target, tir_pipeline=TIR_PIPELINE)
-    args = [tvm.runtime.tensor(a, device) for a in inputs[:-1] + extra + inputs[-1:]]
+    fd, path = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    lib.export_library(path)
+    return path, [(list(shape), dtype) for shape, dtype in (scheduled.attrs or {}).get(ZEROED_INPUTS, [])]
+
+
+def _concrete(shape, dims: dict) -> list[int]:
+    """A buffer shape with symbolic dims set to `dims` (NOMINAL where not given)."""
+    return [int(d.value) if hasattr(d, "value") else int(dims.get(d.name, NOMINAL)) for d in shape]
+
+
+def task_bytes(func, dims: dict | None = None) -> int:
+    """Bytes of every parameter buffer: what must cross memory at least once."""
+    return sum(int(np.prod(_concrete(p.shape, dims or {}))) * tvm.DataType(str(p.ty.dtype)).bits // 8
+               for p in func.params)
+
+
+def _arrays(func, dims: dict) -> list[np.ndarray]:
+    """Seeded random inputs and a zeroed output for every parameter buffer of `func`."""
+    rng, arrays = np.random.default_rng(0), []
+    for i, param in enumerate(func.params):
+        shape, dtype = _concrete(param.shape, dims), str(param.ty.dtype)
+        is_input = i < len(func.params) - 1
+        arrays.append(rng.standard_normal(shape, dtype="float32").astype(dtype) if is_input and "float" in dtype
+                      else np.zeros(shape, dtype))
+    return arrays
+
+
+_REFERENCE: dict = {}  # in a runner: (func_json, dims) -> (inputs, expected output); one task at a time
+
+
+def _reference(func_json: str, dims: dict):
+    key = (func_json, tuple(sorted(dims.items())))
+    if key not in _REFERENCE:
+        func = tvm.ir.load_json(func_json)
+        inputs = _arrays(func, dims)
+        lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target="llvm")
+        args = [tvm.runtime.tensor(a) for a in inputs]
+        lib["main"](*args)
+        _REFERENCE.clear()
+        _REFERENCE[key] = (inputs[:-1], args[-1].numpy(), str(func.params[-1].ty.dtype))
+    return _REFERENCE[key]
+
+
+def _l2_flusher(device):
+    """A global function that evicts the GPU's L2 (a device-to-device copy larger than it)."""
+    name = "tvm_ext.search.flush_l2"
+    if tvm.get_global_func(name, allow_missing=True) is None:
+        src = tvm.runtime.empty((FLUSH_BYTES,), "uint8", device)
+        dst = tvm.runtime.empty((FLUSH_BYTES,), "uint8", device)
+        tvm.register_global_func(name, lambda *args: src.copyto(dst), override=True)
+    return name
+
+
+def run_candidate(func_json: str, target_json: str, dims: dict, lib_path: str, zeroed: list,
+                  repeat: int = REPEAT) -> list[float]:
+    """In the runner: load a built candidate, check its output against the reference, time it (us)."""
+    target = tvm.target.Target(target_json)
+    inputs, want, dtype = _reference(func_json, dims)
+    device = tvm.cpu() if target.kind.name == "llvm" else tvm.device(target.kind.name)
+    lib = tvm.runtime.load_module(lib_path)
+    poison = np.full(want.shape, np.nan, dtype) if "float" in dtype else np.full(want.shape, -7, dtype)
+    args = ([tvm.runtime.tensor(a, device) for a in inputs] +
+            [tvm.runtime.tensor(np.zeros(shape, zdtype), device) for shape, zdtype in zeroed] +
+            [tvm.runtime.tensor(poison, device)])  # a candidate that skips an element cannot pass
     lib["main"](*args)
-    got, want = args[-1].numpy().astype("float64"), expected[-1].numpy().astype("float64")
-    tolerance = 2e-2 if "16" in str(func.params[-1].ty.dtype) else 1e-4
-    if not np.allclose(got, want, rtol=tolerance, atol=tolerance * max(1.0, float(np.abs(want).max()))):
-        raise ValueError(f"wrong result: max abs error {float(np.abs(got - want).max()):.3g}")
-    timer = lib.mod.time_evaluator("main", device, number=10, repeat=repeat)
+    got, want64 = args[-1].numpy().astype("float64"), want.astype("float64")
+    tolerance = 2e-2 if "16" in dtype else 1e-4
+    if not np.allclose(got, want64, rtol=tolerance, atol=tolerance * max(1.0, float(np.abs(want64).max()))):
+        raise ValueError(f"wrong result: max abs error {float(np.nanmax(np.abs(got - want64))):.3g}")
+    if target.kind.name == "llvm":
+        timer = lib.time_evaluator("main", device, number=10, repeat=max(3, repeat // 4))
+    else:
+        timer = lib.time_evaluator("main", device, number=1, repeat=repeat, f_preproc=_l2_flusher(device))
     return [t * 1e6 for t in timer(*args).results]
 
 
-def _worker(results, runner, args):
-    try:
-        results.put(("ok", runner(*args)))
-    except BaseException as err:  # everything a candidate can throw is its error, reported
-        results.put(("error", f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err) else ''}"))
+def copy_gbps(target_json: str) -> float:
+    """The device's copy bandwidth (bytes read + written per second / 1e9), the yardstick of the tables."""
+    target = tvm.target.Target(target_json)
+    device = tvm.cpu() if target.kind.name == "llvm" else tvm.device(target.kind.name)
+    size = 1 << 26 if target.kind.name == "llvm" else 1 << 30
+    src, dst = tvm.runtime.empty((size,), "uint8", device), tvm.runtime.empty((size,), "uint8", device)
+    best = float("inf")
+    for _ in range(10):
+        device.sync()
+        start = time.perf_counter()
+        src.copyto(dst)
+        device.sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size / best / 1e9
 
 
-def _await(channel, worker, timeout: float) -> tuple[str, object]:
-    deadline = time.monotonic() + timeout
-    while True:
+# ---- isolated workers ----------------------------------------------------------------------
+
+def _serve(jobs, results):
+    while (job := jobs.get()) is not None:
+        fn, args = job
         try:
-            return channel.get(timeout=0.2)
+            results.put(("ok", fn(*args)))
+        except BaseException as err:  # everything a candidate can throw is its error, reported
+            results.put(("error", _error_text(err)))
+
+
+class _Worker:
+    """A spawned process that runs one job at a time."""
+
+    def __init__(self, context):
+        self.jobs, self.results = context.Queue(), context.Queue()
+        self.process = context.Process(target=_serve, args=(self.jobs, self.results), daemon=True)
+        self.process.start()
+        self.job, self.started = None, 0.0
+
+    def submit(self, job_id, fn, args) -> None:
+        self.job, self.started = job_id, time.monotonic()
+        self.jobs.put((fn, args))
+
+    def poll(self, timeout: float):
+        """(status, value) of the running job when it has ended, else None."""
+        try:
+            return self.results.get_nowait()
         except queue.Empty:
-            if not worker.is_alive():  # it may have answered just before it ended
-                try:
-                    return channel.get(timeout=0.5)
-                except queue.Empty:
-                    return "error", f"the worker died (exit code {worker.exitcode})"
-            if time.monotonic() > deadline:
-                return "error", f"timed out after {timeout:g} s"
+            pass
+        if not self.process.is_alive():
+            try:  # it may have answered just before it ended
+                return self.results.get(timeout=0.5)
+            except queue.Empty:
+                return "error", f"the worker died (exit code {self.process.exitcode})"
+        if time.monotonic() - self.started > timeout:
+            return "error", f"timed out after {timeout:g} s"
+        return None
+
+    def close(self, kill: bool = False) -> None:
+        if self.process.is_alive() and not kill:
+            self.jobs.put(None)
+            self.process.join(2)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+class _Pool:
+    """Up to `size` workers; a worker whose job failed is replaced before it takes another."""
+
+    def __init__(self, size: int):
+        self.context, self.size, self.workers = mp.get_context("spawn"), size, []
+
+    def map(self, fn, jobs: list, timeout: float) -> list:
+        """(status, value) of fn(*args) for each args of `jobs`, in order."""
+        out, pending = [None] * len(jobs), list(range(len(jobs)))
+        while self.workers and len(self.workers) > self.size:
+            self.workers.pop().close()
+        while len(self.workers) < min(self.size, len(jobs)):
+            self.workers.append(_Worker(self.context))
+        busy: list = []
+        while pending or busy:
+            for worker in [w for w in self.workers if w not in busy]:
+                if pending:
+                    i = pending.pop(0)
+                    worker.submit(i, fn, jobs[i])
+                    busy.append(worker)
+            for worker in list(busy):
+                answer = worker.poll(timeout)
+                if answer is None:
+                    continue
+                out[worker.job] = answer
+                busy.remove(worker)
+                if answer[0] != "ok":
+                    worker.close(kill=True)
+                    self.workers[self.workers.index(worker)] = _Worker(self.context)
+            time.sleep(POLL_S)
+        return out
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+        self.workers = []
+
+
+class Measurer:
+    """Builds in parallel and runs one candidate at a time; keeps its workers across calls (one tuning run)."""
+
+    def __init__(self, target, builders: int | None = None, timeout: float = 60.0,
+                 builder=build_candidate, runner=run_candidate):
+        self.target_json, self.timeout = str(target), timeout
+        self.builder, self.runner = builder, runner
+        self.builders = _Pool(builders or min(8, os.cpu_count() or 1))
+        self.runners = _Pool(1)
+        self.scratch = tempfile.TemporaryDirectory(prefix="tvm_ext_measure_")
+
+    def measure(self, func, candidates: list[dict], dims: dict | None = None) -> list[Result]:
+        """One Result per candidate, in order."""
+        func_json, dims = tvm.ir.save_json(func), dict(dims or {})
+        built = self.builders.map(self.builder, [(func_json, self.target_json, knobs, self.scratch.name)
+                                                 for knobs in candidates], self.timeout)
+        runnable = [i for i, (status, _) in enumerate(built) if status == "ok"]
+        ran = self.runners.map(self.runner, [(func_json, self.target_json, dims) + tuple(built[i][1])
+                                             for i in runnable], self.timeout)
+        outcome = dict(enumerate(built)) | dict(zip(runnable, ran))
+        for i in runnable:
+            os.unlink(built[i][1][0])
+        return [Result(knobs, value, None) if status == "ok" else Result(knobs, [], value)
+                for knobs, (status, value) in ((candidates[i], outcome[i]) for i in range(len(candidates)))]
+
+    def copy_gbps(self) -> float:
+        (status, value), = self.runners.map(copy_gbps, [(self.target_json,)], self.timeout)
+        if status != "ok":
+            raise RuntimeError(f"could not time a device copy: {value}")
+        return value
+
+    def close(self) -> None:
+        self.builders.close()
+        self.runners.close()
+        self.scratch.cleanup()
+
+    def __enter__(self) -> "Measurer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def measure(func, target, candidates: list[dict], dims: dict | None = None, timeout: float = 60.0,
-            runner=run_candidate) -> list[Result]:
-    """One Result per candidate, each measured in a fresh process within `timeout` seconds."""
-    context = mp.get_context("spawn")
-    func_json, target_json = tvm.ir.save_json(func), str(target)
-    results = []
-    for knobs in candidates:
-        channel = context.Queue()
-        worker = context.Process(target=_worker, args=(channel, runner, (func_json, target_json, knobs, dims or {})))
-        worker.start()
-        status, value = _await(channel, worker, timeout)
-        worker.join(1)
-        if worker.is_alive():
-            worker.kill()
-            worker.join()
-        results.append(Result(knobs, value, None) if status == "ok" else Result(knobs, [], value))
-    return results
+            **workers) -> list[Result]:
+    """One-shot measurement (starts and stops its own workers)."""
+    with Measurer(target, timeout=timeout, **workers) as measurer:
+        return measurer.measure(func, candidates, dims)

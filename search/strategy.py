@@ -1,73 +1,103 @@
-"""Search strategy: model-guided batches over a task's space, with early stopping.
+"""Search strategy: model-guided batches over one task's space, with early stopping.
 
-Each round measures a batch: mostly the unmeasured points the cost model ranks highest, plus a few
-random ones (epsilon) so that a wrong model still gets corrected; the model is retrained on every
-successful measurement so far (warm-started from the log's other tasks when given). The search
-stops after `trials`, or when `patience` rounds have not improved the best.
+A task's first batch is the heuristic's point plus the cost model's best guesses (the model may
+already know other tasks: the log, warm start). Each later batch is mostly the unmeasured points
+the model ranks highest, plus a few random ones (epsilon) so that a wrong model still gets
+corrected; the model is retrained after every batch. A task is done after its trial budget, when
+its space is exhausted, or when `patience` batches in a row have not improved its best.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 
 import numpy as np
-from tqdm import tqdm
 
+from schedules.dispatch import heuristic_knobs
 from tvm_ext.records import append_record
 
 from .cost_model import CostModel
-from .features import candidate_features
-from .measure import Result, measure
+from .features import SCHEMA, candidate_features
+from .measure import Result
 from .space import knob_space
 from .tasks import Task
 
 
-@dataclass
-class TaskResult:
-    task: Task
-    results: list = field(default_factory=list)  # every Result, in measurement order
+class TaskSearch:
+    """The search state of one task: its space, what has been measured, its cost model."""
+
+    def __init__(self, task: Task, target, log: str, budget: int, dims: dict | None = None, past=(),
+                 batch: int = 8, epsilon: float = 0.25, patience: int = 3, seed: int = 0):
+        """`past`: this task's records already in the log (a resumed run): they count as trials."""
+        self.task, self.target, self.log, self.dims = task, target, log, dims or {}
+        self.batch, self.epsilon, self.patience = batch, epsilon, patience
+        self.points = knob_space(task.func, target)
+        self.heuristic = heuristic_knobs(task.func, target)
+        if self.heuristic is not None and self.heuristic not in self.points:
+            self.points.insert(0, self.heuristic)
+        self.x = candidate_features(task.func, self.points, target)
+        self.budget = min(budget, len(self.points))
+        self.rng, self.model = random.Random(seed), CostModel()
+        self.measured: list = []  # indices into points, in measurement order
+        self.results: list = []  # their Results
+        self.stale, self.batches = 0, 0
+        for rec in past:
+            if rec["knobs"] in self.points and self.points.index(rec["knobs"]) not in self.measured:
+                self.measured.append(self.points.index(rec["knobs"]))
+                self.results.append(Result(rec["knobs"], rec.get("samples") or ([rec["us"]] if rec["us"] else []),
+                                           rec.get("error")))
 
     @property
     def best(self) -> Result | None:
         good = [r for r in self.results if r.error is None]
         return min(good, key=lambda r: r.best_us) if good else None
 
+    @property
+    def best_us(self) -> float:
+        return self.best.best_us if self.best else float("inf")
 
-def tune_task(task: Task, target, trials: int, log: str, batch: int = 8, epsilon: float = 0.25,
-              patience: int = 3, dims: dict | None = None, seed: int = 0, prior: list | None = None,
-              timeout: float = 60.0, progress: bool = True) -> TaskResult:
-    """Search `task`'s knobs with at most `trials` measurements, appending each to `log`.
+    @property
+    def heuristic_result(self) -> Result | None:
+        return next((r for r in self.results if r.knobs == self.heuristic), None)
 
-    `prior`: (features, latencies) groups of other tasks, to train the model before this task has
-    any measurement of its own.
-    """
-    points = knob_space(task.func, target)
-    x = candidate_features(task.func, points, target)
-    prior = list(prior or [])
-    rng, out, model = random.Random(seed), TaskResult(task), CostModel().fit(prior)
-    measured: list = []  # indices into points, in measurement order
-    best, stale = float("inf"), 0
-    budget = min(trials, len(points))
-    bar = tqdm(total=budget, desc=task.name, disable=not progress, leave=False)
-    while len(measured) < budget and stale < patience:
-        left = [i for i in range(len(points)) if i not in measured]
-        ranked = [left[j] for j in np.argsort(-model.score(x[left]), kind="stable")]
-        size = min(batch, budget - len(measured))
-        explore = min(size, max(1, round(size * epsilon))) if measured else 0  # the first batch trusts the model
-        chosen = ranked[:size - explore]
-        chosen += rng.sample([i for i in left if i not in chosen], explore)
-        for i, result in zip(chosen, measure(task.func, target, [points[i] for i in chosen], dims, timeout)):
-            measured.append(i)
-            out.results.append(result)
-            append_record(log, task.func, target, task.name, result.knobs,
-                          None if result.error else result.best_us, result.error, result.us)
-        bar.update(len(chosen))
-        round_best = out.best.best_us if out.best else float("inf")
-        stale = 0 if round_best < best else stale + 1
-        best = min(best, round_best)
-        good = [(i, r) for i, r in zip(measured, out.results) if r.error is None]
-        own = (x[[i for i, _ in good]], np.array([r.best_us for _, r in good]))
-        model = CostModel().fit(prior + [own])
-    bar.close()
-    return out
+    @property
+    def done(self) -> bool:
+        return len(self.measured) >= self.budget or self.stale >= self.patience
+
+    def curve(self) -> list[float]:
+        """Best latency so far after each trial (inf until one succeeds)."""
+        return list(np.minimum.accumulate([r.best_us for r in self.results])) if self.results else []
+
+    def own_group(self) -> tuple[np.ndarray, np.ndarray]:
+        good = [(i, r) for i, r in zip(self.measured, self.results) if r.error is None]
+        return self.x[[i for i, _ in good]], np.array([r.best_us for _, r in good])
+
+    def retrain(self, groups: list) -> None:
+        """Fit the model on `groups` (other tasks' measurements: transfer) and this task's own."""
+        self.model = CostModel().fit(list(groups) + [self.own_group()])
+
+    def next_batch(self, limit: int) -> list[int]:
+        left = [i for i in range(len(self.points)) if i not in self.measured]
+        size = min(self.batch, self.budget - len(self.measured), limit, len(left))
+        chosen = []
+        if not self.measured and self.heuristic is not None and self.points.index(self.heuristic) in left:
+            chosen.append(self.points.index(self.heuristic))  # the default is always a baseline
+        explore = size if self.epsilon >= 1 else (min(size, max(1, round(size * self.epsilon))) if self.measured else 0)
+        ranked = [left[j] for j in np.argsort(-self.model.score(self.x[left]), kind="stable")]
+        chosen += [i for i in ranked if i not in chosen][:max(0, size - explore - len(chosen))]
+        chosen += self.rng.sample([i for i in left if i not in chosen], size - len(chosen))
+        return chosen
+
+    def step(self, measure, limit: int) -> int:
+        """Measure one batch of at most `limit` candidates with `measure(func, knobs, dims)`; log each."""
+        chosen = self.next_batch(limit)
+        before = self.best_us
+        for i, result in zip(chosen, measure(self.task.func, [self.points[i] for i in chosen], self.dims)):
+            self.measured.append(i)
+            self.results.append(result)
+            append_record(self.log, self.task.func, self.target, self.task.name, result.knobs,
+                          None if result.error else result.best_us, result.error, result.us,
+                          {"schema": SCHEMA, "values": [float(v) for v in self.x[i]]})
+        self.batches += 1
+        self.stale = 0 if self.best_us < before else self.stale + 1
+        return len(chosen)

@@ -3,14 +3,16 @@
 import json
 
 import numpy as np
+import pytest
 import tvm
 from tvm.runtime.vm import VirtualMachine
 
 import tvm_ext
 from bench.suite import relax_module
-from search.strategy import tune_task
+from search.measure import Result
 from search.tasks import extract_tasks
-from tvm_ext.records import Database
+from search.tuner import model_path, tune_model
+from tvm_ext.records import Database, append_record
 
 TARGET = tvm_ext.parse_target("llvm")
 
@@ -18,13 +20,18 @@ TARGET = tvm_ext.parse_target("llvm")
 def test_tune_log_build_run(tmp_path, rng):
     mod = relax_module("softmax", [64, 300], "float32")
     (task,) = extract_tasks(mod, TARGET)
-    log = tmp_path / "softmax.jsonl"
-    result = tune_task(task, TARGET, trials=3, log=str(log), batch=2, progress=False, timeout=120)
+    log = tmp_path / "softmax.json"
+    (report,) = tune_model(mod, TARGET, trials=3, log=str(log), batch=2, progress=False, timeout=120)
     lines = [json.loads(line) for line in log.read_text().splitlines()]
-    assert len(lines) == len(result.results) == 3 and all(line["key"] == task.key for line in lines)
-    assert result.best is not None and result.best.error is None
-    best = min((line for line in lines if line.get("error") is None), key=lambda line: line["us"])
-    assert Database.load(log).lookup(task.func, TARGET) == best["knobs"] == result.best.knobs
+    assert len(lines) == report.trials == 3 and all(line["key"] == task.key for line in lines)
+    assert len({json.dumps(line["knobs"], sort_keys=True) for line in lines}) == 3  # no point measured twice
+    good = [line for line in lines if line.get("error") is None]
+    best = min(good, key=lambda line: line["us"])
+    assert report.best_us == pytest.approx(best["us"]) and report.knobs == best["knobs"]
+    assert report.heuristic_us is not None and report.speedup >= 1.0  # the default is always measured
+    assert 0 < report.copy_fraction and report.gbps > 0
+    assert Database.load(log).lookup(task.func, TARGET) == best["knobs"]
+    assert (tmp_path / "softmax.model.json").is_file() and model_path(str(log)) == str(tmp_path / "softmax.model.json")
     x = rng.standard_normal((64, 300)).astype("float32")
     vm = VirtualMachine(tvm_ext.build(mod, TARGET, database=str(log)), tvm.cpu())
     np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(x)).numpy(),
@@ -32,12 +39,22 @@ def test_tune_log_build_run(tmp_path, rng):
 
 
 def test_failed_measurements_stay_in_the_log_but_are_never_the_best(tmp_path):
-    from search.measure import Result  # noqa: PLC0415
-    from tvm_ext.records import append_record  # noqa: PLC0415
-
     (task,) = extract_tasks(relax_module("softmax", [64, 300], "float32"), TARGET)
-    log = tmp_path / "log.jsonl"
+    log = tmp_path / "log.json"
     append_record(log, task.func, TARGET, task.name, {"strategy": "cpu_rows", "lanes": 16}, None, "timed out")
     append_record(log, task.func, TARGET, task.name, {"strategy": "cpu_rows", "lanes": 64}, 12.5, samples=[12.5, 13])
     assert Result({}, [], "x").best_us == float("inf")
     assert Database.load(log).lookup(task.func, TARGET) == {"strategy": "cpu_rows", "lanes": 64}
+
+
+def test_an_existing_log_is_never_overwritten_and_bad_arguments_are_named(tmp_path):
+    mod = relax_module("softmax", [64, 300], "float32")
+    log = tmp_path / "kept.json"
+    log.write_text("precious\n")
+    with pytest.raises(FileExistsError, match="kept.json' already exists: resume it"):
+        tune_model(mod, TARGET, trials=2, log=str(log), progress=False)
+    assert log.read_text() == "precious\n"
+    with pytest.raises(FileNotFoundError, match="cannot resume: tuning log .*missing.json"):
+        tune_model(mod, TARGET, trials=2, log=str(tmp_path / "missing.json"), resume=True, progress=False)
+    with pytest.raises(ValueError, match="trials must be >= 0"):
+        tune_model(mod, TARGET, trials=-1, log=str(tmp_path / "new.json"), progress=False)

@@ -1,15 +1,16 @@
-"""Measurement in isolated processes: a good candidate is timed; crashing, hanging and wrong ones cost one trial."""
+"""Measurement in worker processes: good candidates are timed; crashing, hanging and wrong ones cost one trial."""
 
 import os
 import time
 
 import tvm_ext
 from bench.suite import relax_module
-from search.measure import measure, run_candidate
+from search.measure import Measurer, build_candidate, measure, run_candidate
 from search.space import knob_space
 from search.tasks import extract_tasks
 
 TARGET = tvm_ext.parse_target("llvm")
+CPU_ROWS = {"strategy": "cpu_rows", "lanes": 16}
 
 
 def task():
@@ -25,8 +26,8 @@ def hanging_runner(*args):
     time.sleep(60)
 
 
-def wrong_result_runner(*args):
-    """The real runner, with a template that writes zeros instead of the softmax."""
+def zeroing_builder(*args):
+    """The real builder, with a template that writes zeros instead of the softmax."""
     import tvm_ffi  # noqa: PLC0415
     from tvm import tirx  # noqa: PLC0415
 
@@ -41,23 +42,32 @@ def wrong_result_runner(*args):
         return real(func.with_body(tvm_ffi.structural_map(func.body, (tirx.BufferStore, zero))), target, knobs)
 
     schedules.schedule = zeroing
-    return run_candidate(*args)
+    try:
+        return build_candidate(*args)
+    finally:
+        schedules.schedule = real
 
 
 def test_good_candidates_are_timed_and_checked():
     t = task()
-    results = measure(t.func, TARGET, knob_space(t.func, TARGET)[:2], timeout=120)
-    assert [r.error for r in results] == [None, None]
+    results = measure(t.func, TARGET, knob_space(t.func, TARGET)[:3], timeout=120, builders=2)
+    assert [r.error for r in results] == [None, None, None]
     assert all(len(r.us) >= 3 and 0 < r.best_us < 1e5 for r in results)
 
 
-def test_crash_and_hang_cost_one_trial_each():
+def test_a_crash_or_a_hang_costs_one_trial_and_the_next_candidate_still_runs():
     t = task()
-    started = time.monotonic()
-    (crashed,) = measure(t.func, TARGET, [{"strategy": "cpu_rows"}], runner=crashing_runner, timeout=30)
-    assert crashed.us == [] and "exit code 3" in crashed.error and time.monotonic() - started < 20
-    (hung,) = measure(t.func, TARGET, [{"strategy": "cpu_rows"}], runner=hanging_runner, timeout=3)
-    assert hung.us == [] and "timed out after 3 s" in hung.error
+    with Measurer(TARGET, builders=1, timeout=120) as measurer:
+        started = time.monotonic()
+        measurer.runner = crashing_runner
+        (crashed,) = measurer.measure(t.func, [CPU_ROWS])
+        assert crashed.us == [] and "exit code 3" in crashed.error and time.monotonic() - started < 30
+        measurer.runner, measurer.timeout = hanging_runner, 3
+        (hung,) = measurer.measure(t.func, [CPU_ROWS])
+        assert hung.us == [] and "timed out after 3 s" in hung.error
+        measurer.runner, measurer.timeout = run_candidate, 120
+        (good,) = measurer.measure(t.func, [CPU_ROWS])
+        assert good.error is None and good.best_us > 0
 
 
 def test_refused_knobs_are_an_error_not_a_latency():
@@ -68,5 +78,5 @@ def test_refused_knobs_are_an_error_not_a_latency():
 
 def test_wrong_result_is_an_error_never_a_latency():
     t = task()
-    (result,) = measure(t.func, TARGET, [{"strategy": "cpu_rows", "lanes": 1}], runner=wrong_result_runner, timeout=120)
+    (result,) = measure(t.func, TARGET, [CPU_ROWS], builder=zeroing_builder, timeout=120)
     assert result.us == [] and result.error.startswith("ValueError: wrong result"), result.error

@@ -1,6 +1,7 @@
 """tvm_ext: fused reduce subgraphs (norms, softmax, statistics) at memory bandwidth on TVM.
 
-`import tvm_ext` registers the Relax pipeline "tvm_ext" and the TIR pipeline of the same name.
+`import tvm_ext` registers the Relax pipeline "tvm_ext", the TIR pipeline of the same name and
+the Welford reducers (so that a process that only schedules, e.g. a tuner's worker, has them).
 """
 
 from .api import build, export
@@ -9,8 +10,10 @@ from .passes import register_tir_pass, unregister_tir_pass
 from .pipeline import PIPELINE, register, tvm_ext_pipeline
 from .runtime import load
 from .target import parse_target
+from . import welford
 
 register()
+welford.register()
 
 __all__ = ["PIPELINE", "build", "cuda_kernels", "cuda_source", "export", "load", "parse_target", "register_tir_pass", "tvm_ext_pipeline",
            "unregister_tir_pass"]

@@ -181,7 +181,6 @@ def legalizations(variance: str = "welford") -> dict:
     """
     if variance not in VARIANCE_ALGORITHMS:
         raise ValueError(f"unknown variance algorithm {variance!r}: expected one of {VARIANCE_ALGORITHMS}")
-    welford.register()
     table = {"relax.nn.softmax": _softmax_float32_accumulate, "relax.nn.layer_norm": _layer_norm_float32(variance),
              "relax.std": _std(variance), "relax.nn.batch_norm": _batch_norm_training(variance),
              "relax.nn.group_norm": _group_norm(variance)}

@@ -1,0 +1,91 @@
+"""Tune a model's fused reduce subgraphs and write a tuning log that tvm_ext.build reads.
+
+    python scripts/tune.py --model transformer_norms --target cuda --trials 64 --log tuning_logs/norms.json
+    python scripts/tune.py --model suite:ln-8192x4096-f16 --target llvm --trials 8 --log tuning_logs/ln.json
+    python scripts/tune.py --model my_model.py ... --resume          # continue an interrupted run
+
+MODEL: an example model (examples/NAME.py), `suite` (every public benchmark case), `suite:ID`
+(one case of bench/suite.json), or a Python file defining build_module() -> tvm.IRModule.
+Then: tvm_ext.build(mod, target, database="tuning_logs/NAME.json").
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.suite import load_suite, relax_module  # noqa: E402
+from search.tuner import model_path, tune_model  # noqa: E402
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def load_model(name: str):
+    """An IRModule (or a list of them, for the suite) for the --model argument."""
+    if name == "suite" or name.startswith("suite:"):
+        cases = {case["id"]: case for case in load_suite()}
+        wanted = list(cases) if name == "suite" else [name.split(":", 1)[1]]
+        unknown = [w for w in wanted if w not in cases]
+        if unknown:
+            raise SystemExit(f"tune.py: no suite case {unknown[0]!r}; cases: {', '.join(cases)}")
+        return [relax_module(cases[w]["op"], cases[w]["shape"], cases[w]["dtype"]) for w in wanted]
+    path = name if name.endswith(".py") else os.path.join(EXAMPLES, f"{name}.py")
+    if not os.path.isfile(path):
+        examples = sorted(f[:-3] for f in os.listdir(EXAMPLES) if f.endswith(".py") and f != "__init__.py")
+        raise SystemExit(f"tune.py: no model {name!r}: expected one of {examples}, suite, suite:ID, or a .py file")
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "build_module"):
+        raise SystemExit(f"tune.py: {path} defines no build_module() returning a tvm.IRModule")
+    return module.build_module()
+
+
+def parse_dims(text: str) -> dict:
+    try:
+        return {k: int(v) for k, v in (item.split("=") for item in text.split(",") if item)}
+    except ValueError:
+        raise SystemExit(f"tune.py: --dims expects NAME=INT[,NAME=INT...], got {text!r}") from None
+
+
+def table(reports) -> str:
+    lines = ["| task | calls | trials | heuristic us | best us | speed-up | GB/s | % of copy | best knobs |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in reports:
+        heuristic = f"{r.heuristic_us:.1f}" if r.heuristic_us else "-"
+        speedup = f"{r.speedup:.2f}x" if r.speedup else "-"
+        lines.append(f"| {r.name} | {r.weight} | {r.trials} | {heuristic} | {r.best_us:.1f} | {speedup} | "
+                     f"{r.gbps:.0f} | {100 * r.copy_fraction:.0f}% | {json.dumps(r.knobs, sort_keys=True)} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--target", default="cuda", help="cuda (this GPU), llvm, or a JSON target dict")
+    ap.add_argument("--trials", type=int, required=True, help="measurements in all, over every task")
+    ap.add_argument("--log", required=True, help="JSON-lines tuning log to write (appended to with --resume)")
+    ap.add_argument("--resume", action="store_true", help="continue the run that wrote --log")
+    ap.add_argument("--warm-start", nargs="*", default=[], metavar="LOG", help="other logs to train the model on")
+    ap.add_argument("--dims", default="", help="values of symbolic dims while measuring, e.g. n=8192 (default 4096)")
+    ap.add_argument("--builders", type=int, default=None, help="parallel build processes (default min(8, CPUs))")
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds a candidate may take to build or run")
+    args = ap.parse_args()
+    target = json.loads(args.target) if args.target.startswith("{") else args.target
+    try:
+        reports = tune_model(load_model(args.model), target, args.trials, args.log, args.resume,
+                             args.warm_start, parse_dims(args.dims), args.builders, args.timeout)
+    except (ValueError, FileExistsError, FileNotFoundError) as err:
+        print(f"tune.py: {err}", file=sys.stderr)
+        return 2
+    print(table(reports))
+    print(f"log: {args.log}   cost model: {model_path(args.log)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

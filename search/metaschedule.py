@@ -1,0 +1,126 @@
+"""Export our tuning log as a MetaSchedule database, so stock TVM tools can read our results.
+
+MetaSchedule stores a schedule as the *trace* of schedule primitives that produced it, replayed on
+its workload (the PrimFunc as MetaSchedule normalises it). Our templates are written with the same
+primitives, so the Schedule a record's knobs build carries such a trace, and a stock
+`JSONDatabase(...).query_ir_module(...)` can rebuild our kernel from it without this project.
+
+Not every template is a trace: the grid strategies write their kernel as TVMScript and splice the
+fused function into it (new parameters, `call_extern` barriers and atomics, a PrimFunc attr for the
+zero-filled inputs), and a function whose reads `schedules.analysis.match` had to widen is
+rescheduled from a rewritten copy. Replaying their trace on the workload does not give our kernel,
+so each record is replayed the way MetaSchedule would replay it and compared before it is written;
+a task whose best record does not replay is skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+from tvm.s_tir.meta_schedule.database import JSONDatabase, MemoryDatabase, TuningRecord
+from tvm.target import Target
+
+import schedules
+from tvm_ext.records import read_records
+from tvm_ext.target import parse_target
+
+# MetaSchedule's own normalisation (global_symbol "main" unless set, "tirx.noalias", IRModule({"main":
+# func})): tune_tir, compile_tir and Relax's MetaScheduleApplyDatabase all key the database by it.
+normalize_mod = lambda f: tvm.IRModule({"main": f})
+WORKLOAD_NAME = "main"  # the name compile_tir queries under; the only function of a workload
+
+
+def workload_of(func: tirx.PrimFunc) -> tvm.IRModule:
+    """The IRModule MetaSchedule sees for `func`: a database lookup only finds a structurally equal one."""
+    return normalize_mod(func)
+
+
+def best_records(log_path, tasks) -> dict:
+    """{task key: the fastest successful record of that task}; failed records ("us" None) never count."""
+    keys, best = {task.key for task in tasks}, {}
+    for rec in read_records(log_path):
+        if rec["key"] in keys and rec.get("error") is None and rec.get("us") is not None:
+            if rec["key"] not in best or rec["us"] < best[rec["key"]]["us"]:
+                best[rec["key"]] = rec
+    return best
+
+
+def args_info(func: tirx.PrimFunc) -> list | None:
+    """The arguments MetaSchedule would re-run the record with; None for symbolic shapes, which it
+    cannot describe (ArgInfo wants constant dims)."""
+    static = all(isinstance(d, tirx.IntImm) for p in func.params for d in p.shape)
+    return ArgInfo.from_prim_func(func) if static else None
+
+
+def replayed(record: TuningRecord, target: Target) -> tvm.IRModule | None:
+    """What a stock database hands back for `record`: reloaded from its JSON (as JSONDatabase loads a
+    file, replaying the trace on the workload) and queried for the workload."""
+    db = MemoryDatabase()
+    workload = db.commit_workload(record.workload.mod)
+    db.commit_tuning_record(TuningRecord.from_json(record.as_json(), workload))
+    return db.query_ir_module(workload.mod, target, WORKLOAD_NAME)
+
+
+def tuning_record(func: tirx.PrimFunc, target: Target, knobs: dict, us: float) -> tuple[TuningRecord | None, str]:
+    """(the MetaSchedule record of `knobs` on `func`, "") or (None, why it cannot be one).
+
+    The record is kept only if replaying its trace reproduces our scheduled module exactly
+    (structural_equal), so an exported record can never stand for a different kernel.
+    """
+    sch = schedules.schedule(func, target, knobs)
+    if sch is None:
+        return None, f"the template refuses knobs {knobs}"
+    if sch.trace is None:
+        return None, "the schedule recorded no trace"
+    workload = workload_of(func)
+    record = TuningRecord(sch.trace, ms.database.Workload(workload), run_secs=[us * 1e-6], target=target,
+                          args_info=args_info(workload["main"]))
+    try:
+        got = replayed(record, target)
+    except Exception as err:  # a trace that does not apply to the workload: TVMError, ValueError, ...
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return None, (f"{knobs['strategy']}: the trace does not replay on the workload, so the template rewrote "
+                      f"the function outside schedule primitives ({type(err).__name__}: {first[:120]})")
+    ours = normalize_mod(sch.mod["main"])
+    if got is None or not tvm_ffi.structural_equal(got, ours):
+        return None, (f"{knobs['strategy']}: replaying the trace on the workload does not give our kernel "
+                      "(the template rewrites the function outside schedule primitives)")
+    return record, ""
+
+
+def export_metaschedule(log_path, tasks, target, out_dir) -> dict:
+    """Write the best record of each task in our log to a MetaSchedule JSONDatabase in `out_dir`.
+
+    Files: `database_workload.json` and `database_tuning_record.json`, appended to if present (as
+    MetaSchedule itself does), written through JSONDatabase so that their format is TVM's.
+    Returns {"exported": {task name: us}, "skipped": {task name: reason}, "workload": path,
+    "tuning_record": path}.
+    """
+    target = target if isinstance(target, Target) else parse_target(target)
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"workload": os.path.join(out_dir, "database_workload.json"),
+             "tuning_record": os.path.join(out_dir, "database_tuning_record.json")}
+    best = best_records(log_path, tasks)
+    exported, skipped, records = {}, {}, []
+    for task in tasks:
+        rec = best.get(task.key)
+        if rec is None:
+            skipped[task.name] = "no successful record in the log"
+            continue
+        record, reason = tuning_record(task.func, target, rec["knobs"], rec["us"])
+        if record is None:
+            skipped[task.name] = reason
+        else:
+            records.append(record)
+            exported[task.name] = rec["us"]
+    if records:  # JSONDatabase creates both files at construction: none when there is nothing to write
+        db = JSONDatabase(path_workload=paths["workload"], path_tuning_record=paths["tuning_record"])
+        for record in records:
+            db.commit_tuning_record(TuningRecord(record.trace, db.commit_workload(record.workload.mod),
+                                                 record.run_secs, record.target, record.args_info))
+    return {"exported": exported, "skipped": skipped, **paths}

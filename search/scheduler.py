@@ -1,0 +1,55 @@
+"""Task scheduler: spend one trial budget across a model's tasks where it pays most.
+
+Every task gets one batch first (its heuristic baseline and the model's guesses). After that the
+next batch goes to the task with the largest expected gain x weight: its best latency times the
+relative improvement its last batch made (floored by how much of its space is left unexplored,
+so that a task that has not moved yet is not starved), times how many times the model calls it.
+Measurements of all tasks train each task's model alongside the log's other records.
+"""
+
+from __future__ import annotations
+
+from tqdm import tqdm
+
+from .strategy import TaskSearch
+
+FLOOR = 0.02  # expected relative improvement of a batch over an unexplored space
+
+
+def _gain(search: TaskSearch, last_improvement: float) -> float:
+    unexplored = 1 - len(search.measured) / max(1, len(search.points))
+    expected = max(last_improvement, FLOOR * unexplored)
+    best = search.best_us if search.best else 1.0
+    return search.task.weight * best * expected
+
+
+def tune(searches: list[TaskSearch], measure, trials: int, prior: list = (), progress: bool = True) -> list[TaskSearch]:
+    """Run `searches` with at most `trials` new measurements over all of them."""
+    prior = list(prior)
+    for search in searches:
+        search.retrain(prior + [other.own_group() for other in searches if other is not search])
+    improvement = {id(s): 1.0 for s in searches}
+    overall = tqdm(total=trials, desc="all tasks", disable=not progress, position=0)
+    bars = {id(s): tqdm(total=s.budget, initial=len(s.measured), desc=s.task.name, disable=not progress,
+                        position=i + 1, leave=False) for i, s in enumerate(searches)}
+    spent = 0
+    while spent < trials:
+        live = [s for s in searches if not s.done]
+        if not live:
+            break
+        fresh = [s for s in live if s.batches == 0]
+        search = fresh[0] if fresh else max(live, key=lambda s: _gain(s, improvement[id(s)]))
+        before = search.best_us
+        n = search.step(measure, trials - spent)
+        spent += n
+        after = search.best_us
+        improvement[id(search)] = (before - after) / before if before != float("inf") and after < before else 0.0
+        others = [other.own_group() for other in searches if other is not search]
+        search.retrain(prior + others)
+        overall.update(n)
+        bars[id(search)].update(n)
+        bars[id(search)].set_postfix_str(f"best {after:.1f} us" if search.best else "no valid candidate yet")
+    for bar in bars.values():
+        bar.close()
+    overall.close()
+    return searches

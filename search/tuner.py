@@ -1,0 +1,102 @@
+"""A tuning run: a model's tasks, searched under one budget, every measurement in one log.
+
+Ties the components together: tasks (tasks.py) -> their searches (strategy.py), warm-started from
+the log's and any other logs' records (cost_model.logged_groups) -> the task scheduler
+(scheduler.py) spending the trials, measured by worker processes (measure.py). An existing log is
+only ever appended to, and only when asked to resume it: its records then count as trials done.
+At the end the cost model is retrained on the whole log and saved beside it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from tvm_ext.records import read_records
+from tvm_ext.target import parse_target
+
+from .cost_model import CostModel, logged_groups
+from .measure import Measurer, task_bytes
+from .scheduler import tune
+from .strategy import TaskSearch
+from .tasks import extract_tasks
+
+
+def model_path(log: str) -> str:
+    """Where a log's cost model is saved: NAME.model.json beside NAME.json."""
+    return os.path.splitext(log)[0] + ".model.json"
+
+
+@dataclass
+class TaskReport:
+    name: str
+    weight: int
+    trials: int
+    best_us: float
+    heuristic_us: float | None
+    gbps: float
+    copy_fraction: float
+    knobs: dict | None
+
+    @property
+    def speedup(self) -> float | None:
+        return self.heuristic_us / self.best_us if self.heuristic_us else None
+
+
+def _open_log(log: str, resume: bool) -> list[dict]:
+    if resume:
+        if not os.path.isfile(log):
+            raise FileNotFoundError(f"cannot resume: tuning log {log!r} does not exist")
+        return list(read_records(log))
+    if os.path.exists(log):
+        raise FileExistsError(f"tuning log {log!r} already exists: resume it (--resume) or name a new log")
+    os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
+    open(log, "a", encoding="utf-8").close()  # a run stopped before its first record can still be resumed
+    return []
+
+
+def model_tasks(mods, target) -> list:
+    """The tasks of one module or of several (a suite), merged by key."""
+    merged: dict = {}
+    for mod in mods if isinstance(mods, (list, tuple)) else [mods]:
+        for task in extract_tasks(mod, target):
+            first = merged.get(task.key)
+            merged[task.key] = task if first is None else type(task)(first.name, first.key, first.func,
+                                                                      first.weight + task.weight)
+    return sorted(merged.values(), key=lambda t: (-t.weight, t.name))
+
+
+def tune_model(mod, target, trials: int, log: str, resume: bool = False, warm_start=(), dims=None,
+               builders: int | None = None, timeout: float = 60.0, batch: int = 8, patience: int = 3,
+               seed: int = 0, progress: bool = True) -> list[TaskReport]:
+    """Tune every task of `mod` (or of a list of modules) with at most `trials` measurements in all."""
+    if trials < 0:
+        raise ValueError(f"trials must be >= 0, not {trials}")
+    target = parse_target(target)
+    tasks = model_tasks(mod, target)
+    if not tasks:
+        raise ValueError("the model has no fused reduce subgraph for tvm_ext to tune")
+    logged = _open_log(log, resume)
+    keys = {task.key for task in tasks}
+    others = [rec for path in warm_start for rec in read_records(path)]
+    prior = logged_groups(logged + others, exclude=keys)
+    searches = [TaskSearch(task, target, log, trials, dims, [r for r in logged if r["key"] == task.key],
+                           batch=batch, patience=patience, seed=seed) for task in tasks]
+    spent = sum(len(s.measured) for s in searches)
+    with Measurer(target, builders=builders, timeout=timeout) as measurer:
+        tune(searches, measurer.measure, max(0, trials - spent), prior, progress)
+        copy = measurer.copy_gbps()
+    if os.path.getsize(log):
+        model = CostModel().fit(logged_groups(read_records(log)))
+        if model.booster is not None:
+            model.save(model_path(log))
+    return [_report(s, dims, copy) for s in searches]
+
+
+def _report(search: TaskSearch, dims, copy_gbps: float) -> TaskReport:
+    best, heuristic = search.best, search.heuristic_result
+    gbps = task_bytes(search.task.func, dims) / best.best_us / 1e3 if best else 0.0
+    return TaskReport(search.task.name, search.task.weight, len(search.measured),
+                      best.best_us if best else float("inf"),
+                      heuristic.best_us if heuristic and heuristic.error is None else None,
+                      gbps, gbps / copy_gbps, best.knobs if best else None)
