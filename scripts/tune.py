@@ -74,14 +74,19 @@ def main() -> int:
     ap.add_argument("--dims", default="", help="values of symbolic dims while measuring, e.g. n=8192 (default 4096)")
     ap.add_argument("--builders", type=int, default=None, help="parallel build processes (default min(8, CPUs))")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a candidate may take to build or run")
+    ap.add_argument("--batch", type=int, default=8, help="candidates measured per round")
     args = ap.parse_args()
     target = json.loads(args.target) if args.target.startswith("{") else args.target
     try:
         reports = tune_model(load_model(args.model), target, args.trials, args.log, args.resume,
-                             args.warm_start, parse_dims(args.dims), args.builders, args.timeout)
+                             args.warm_start, parse_dims(args.dims), args.builders, args.timeout, args.batch)
     except (ValueError, FileExistsError, FileNotFoundError) as err:
         print(f"tune.py: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\ntune.py: interrupted; every finished measurement is in {args.log}: add --resume to continue",
+              file=sys.stderr)
+        return 130
     print(table(reports))
     print(f"log: {args.log}   cost model: {model_path(args.log)}")
     return 0

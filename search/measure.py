@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -155,6 +156,7 @@ def copy_gbps(target_json: str) -> float:
 # ---- isolated workers ----------------------------------------------------------------------
 
 def _serve(jobs, results):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the tuner's to handle: it stops the workers
     while (job := jobs.get()) is not None:
         fn, args = job
         try:

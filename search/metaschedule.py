@@ -31,7 +31,7 @@ from tvm_ext.target import parse_target
 
 # MetaSchedule's own normalisation (global_symbol "main" unless set, "tirx.noalias", IRModule({"main":
 # func})): tune_tir, compile_tir and Relax's MetaScheduleApplyDatabase all key the database by it.
-normalize_mod = lambda f: tvm.IRModule({"main": f})
+normalize_mod = tvm.get_global_func("tvm.s_tir.meta_schedule.normalize_mod")
 WORKLOAD_NAME = "main"  # the name compile_tir queries under; the only function of a workload
 
 
@@ -86,10 +86,12 @@ def tuning_record(func: tirx.PrimFunc, target: Target, knobs: dict, us: float) -
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return None, (f"{knobs['strategy']}: the trace does not replay on the workload, so the template rewrote "
                       f"the function outside schedule primitives ({type(err).__name__}: {first[:120]})")
-    ours = normalize_mod(sch.mod["main"])
-    if got is None or not tvm_ffi.structural_equal(got, ours):
+    if got is None:  # MetaSchedule drops a record without instructions as invalid (TuningRecord::IsValid)
+        return None, (f"{knobs['strategy']}: the trace is empty: the template wrote a new function "
+                      "instead of scheduling this one")
+    if not tvm_ffi.structural_equal(got, normalize_mod(sch.mod["main"])):
         return None, (f"{knobs['strategy']}: replaying the trace on the workload does not give our kernel "
-                      "(the template rewrites the function outside schedule primitives)")
+                      "(the template changes the function outside schedule primitives)")
     return record, ""
 
 

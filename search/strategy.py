@@ -1,7 +1,7 @@
 """Search strategy: model-guided batches over one task's space, with early stopping.
 
-A task's first batch is the heuristic's point plus the cost model's best guesses (the model may
-already know other tasks: the log, warm start). Each later batch is mostly the unmeasured points
+A task's first batch is the heuristic's point plus the cost model's best guesses when it has been
+trained (on other tasks: the log, warm start), else random points. Each later batch is mostly the unmeasured points
 the model ranks highest, plus a few random ones (epsilon) so that a wrong model still gets
 corrected; the model is retrained after every batch. A task is done after its trial budget, when
 its space is exhausted, or when `patience` batches in a row have not improved its best.
@@ -82,7 +82,10 @@ class TaskSearch:
         chosen = []
         if not self.measured and self.heuristic is not None and self.points.index(self.heuristic) in left:
             chosen.append(self.points.index(self.heuristic))  # the default is always a baseline
-        explore = size if self.epsilon >= 1 else (min(size, max(1, round(size * self.epsilon))) if self.measured else 0)
+        if self.epsilon >= 1 or self.model.booster is None:  # random search, or nothing to rank by yet
+            explore = size
+        else:
+            explore = min(size, max(1, round(size * self.epsilon))) if self.measured else 0
         ranked = [left[j] for j in np.argsort(-self.model.score(self.x[left]), kind="stable")]
         chosen += [i for i in ranked if i not in chosen][:max(0, size - explore - len(chosen))]
         chosen += self.rng.sample([i for i in left if i not in chosen], size - len(chosen))

@@ -119,3 +119,17 @@ def test_relax_apply_database_schedules_the_fused_function(tmp_path):
     scheduled = schedules.schedule(task.func, LLVM, knobs).mod["main"]
     assert tvm_ffi.structural_equal(func, scheduled.with_attr("tirx.is_scheduled", True))
     assert not tvm_ffi.structural_equal(func.without_attr("tirx.is_scheduled"), fused[task.name])
+
+
+def test_a_kernel_the_trace_does_not_reproduce_is_skipped(tmp_path, monkeypatch):
+    """A template that also edits the function (here: adds an attr, as the grid templates do) still
+    has a trace that replays, but to a different kernel: it must not be exported as ours."""
+    task, knobs = task_of(RMS, LLVM), {"strategy": "cpu_rows", "lanes": 16}
+    real = schedules.schedule
+    monkeypatch.setattr(schedules, "schedule", lambda func, target, k: real(func.with_attr("tvm_ext.zeroed_inputs", [
+        ([64], "int32")]), target, k))
+    log = tmp_path / "log.jsonl"
+    append_record(log, task.func, LLVM, task.name, knobs, 7.0)
+    result = export_metaschedule(log, [task], LLVM, tmp_path / "ms")
+    assert result["exported"] == {}
+    assert "does not give our kernel" in result["skipped"][task.name]

@@ -1,0 +1,107 @@
+"""Tune the suite's fused functions with stock MetaSchedule, to compare with our tuner.
+
+    python -m bench.vs_metaschedule --cases sm-8192x4096-f16,rms-8192x4096-bf16 --trials 1000 --out ms_out/ \
+        [--target '{"tag": "nvidia/nvidia-h100", "arch": "sm_90"}'] [--suite bench/suite.json]
+
+Each case's tasks are the PrimFuncs our tuner sees (`search.tasks.extract_tasks`), so both tuners
+schedule the same function. MetaSchedule is TVM 0.27's `tvm.s_tir.meta_schedule.tune_tir` with its
+defaults: evolutionary search guided by the XGBoost cost model ("xgb": `XGBModel`, trained on
+`PerStoreFeature` features; random scores until 100 measurements, its `num_warmup_samples`), local
+builder and runner. Writes `<out>/vs_metaschedule.json` with each task's tuning wall time and the
+library compiled from the best record. Needs `cloudpickle`, `psutil` and `xgboost`. Static shapes only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import tvm
+from tvm.s_tir import meta_schedule as ms
+from tvm.target import Target
+
+import tvm_ext
+from bench.suite import SUITE, load_suite, relax_module
+from search.tasks import extract_tasks
+from tvm_ext import welford
+
+
+def ms_target(target) -> Target:
+    """`target` as MetaSchedule needs it: an LLVM target must say how many cores to parallelise over
+    ("num-cores", else tune_tir fails), and a CUDA one its block limits (`tvm_ext.parse_target` and the
+    nvidia tags carry them)."""
+    target = tvm_ext.parse_target(target)
+    if target.kind.name == "llvm" and target.attrs.get("num-cores", None) is None:
+        target = Target({**target.export(), "num-cores": ms.utils.cpu_count(logical=False)})
+    return target
+
+
+def tune_metaschedule(func: tvm.tirx.PrimFunc, target, trials: int, work_dir: str,
+                      lib_path: str | None = None) -> tuple[float, tvm.IRModule | None]:
+    """(wall seconds of tune_tir, the best scheduled IRModule or None when no candidate ran).
+
+    The best record is compiled (`tvm.compile`, TVM's default pipelines) so that a schedule that does
+    not build fails here, and exported to `lib_path` when given. The tuning log and MetaSchedule's
+    own JSONDatabase stay in `work_dir`.
+    """
+    target = ms_target(target)
+    os.makedirs(work_dir, exist_ok=True)  # JSONDatabase cannot create it
+    # builder workers are fresh processes: they must learn our Welford reducers before lowering
+    # cross-thread reductions of them, as this process did when the task was extracted
+    builder = ms.builder.LocalBuilder(initializer=welford.register)
+    start = time.perf_counter()
+    database = ms.tune_tir(func, target, work_dir, max_trials_global=trials, num_trials_per_iter=min(trials, 64),
+                           builder=builder)
+    wall = time.perf_counter() - start
+    sch = ms.tir_integration.compile_tir(database, func, target)
+    if sch is None:
+        return wall, None
+    lib = tvm.compile(sch.mod, target=target)
+    if lib_path is not None:
+        lib.export_library(lib_path)
+    return wall, sch.mod
+
+
+def run_case(case: dict, target, trials: int, out: str) -> list[dict]:
+    """Tune every task of one suite case; one result row per task."""
+    if any(isinstance(d, str) for d in case["shape"]):
+        return [{"case": case["id"], "error": "symbolic shape: MetaSchedule tunes static shapes only"}]
+    rows = []
+    for task in extract_tasks(relax_module(case["op"], case["shape"], case["dtype"]), target):
+        name = f"{case['id']}-{task.name}"
+        lib = os.path.abspath(os.path.join(out, f"{name}.so"))
+        wall, mod = tune_metaschedule(task.func, target, trials, os.path.join(out, "work", name), lib)
+        rows.append({"case": case["id"], "task": task.name, "key": task.key, "trials": trials,
+                     "wall_s": round(wall, 3), "lib": lib if mod is not None else None,
+                     **({} if mod is not None else {"error": "no candidate built and ran"})})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", required=True, help="comma-separated suite ids")
+    ap.add_argument("--trials", type=int, default=1000, help="MetaSchedule trials per task")
+    ap.add_argument("--out", required=True, help="folder for the libraries, work dirs and vs_metaschedule.json")
+    ap.add_argument("--target", default="cuda", help="'cuda' (this GPU), 'llvm', or a target as JSON")
+    ap.add_argument("--suite", default=SUITE)
+    args = ap.parse_args(argv)
+    target = json.loads(args.target) if args.target.startswith("{") else args.target
+    suite = {c["id"]: c for c in load_suite(args.suite)}
+    unknown = [i for i in args.cases.split(",") if i not in suite]
+    if unknown:
+        ap.error(f"unknown case id(s) {unknown}")
+    os.makedirs(args.out, exist_ok=True)
+    rows = [row for i in args.cases.split(",") for row in run_case(suite[i], target, args.trials, args.out)]
+    report = os.path.join(args.out, "vs_metaschedule.json")
+    with open(report, "w", encoding="utf-8") as f:
+        json.dump({"tvm": tvm.__version__, "target": str(ms_target(target)), "results": rows}, f, indent=2)
+    print(json.dumps(rows, indent=2))
+    print(f"wrote {report}")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Transfer: schedules for tasks the log has never measured, chosen by its cost model (0 trials).
+
+`ModelDatabase` answers `tvm_ext.build(..., database=...)` like a plain log: the log's best where
+the task was measured, else the point of the task's space that the cost model (trained on every
+record of the log, all tasks and shapes) ranks first. The pipeline only asks `lookup`, so the
+build itself never needs the tuner.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from tvm import tirx
+from tvm.target import Target
+
+from tvm_ext.records import Database, read_records
+
+from .cost_model import CostModel, logged_groups
+from .features import candidate_features
+from .space import knob_space
+
+
+class ModelDatabase(Database):
+    """A tuning log plus its cost model."""
+
+    model: CostModel
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ModelDatabase":
+        db = super().load(path)
+        db.model = CostModel().fit(logged_groups(read_records(path)))
+        if db.model.booster is None:
+            raise ValueError(f"tuning log {os.fspath(path)!r} has too few measurements to train a cost model")
+        return db
+
+    def predict(self, func: tirx.PrimFunc, target: Target) -> dict | None:
+        """The point of `func`'s space the model ranks first (None when no template fits it)."""
+        points = knob_space(func, target)
+        if not points:
+            return None
+        return dict(points[int(np.argmax(self.model.score(candidate_features(func, points, target))))])
+
+    def lookup(self, func: tirx.PrimFunc, target: Target) -> dict | None:
+        return super().lookup(func, target) or self.predict(func, target)

@@ -1,0 +1,96 @@
+"""The log under faults: concurrent appenders, a torn line, Ctrl-C mid-run then --resume, bad CLI input."""
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import tvm_ext
+from bench.suite import relax_module
+from search.tasks import extract_tasks
+from tvm_ext.records import append_record, read_records
+
+TARGET = tvm_ext.parse_target("llvm")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TUNE = [sys.executable, os.path.join(ROOT, "scripts", "tune.py")]
+
+
+def softmax_task():
+    (task,) = extract_tasks(relax_module("softmax", [64, 300], "float32"), TARGET)
+    return task
+
+
+def append_many(log, writer, count):
+    task = softmax_task()
+    for i in range(count):
+        append_record(log, task.func, TARGET, task.name, {"writer": writer, "i": i, "pad": "x" * 2000}, float(i + 1))
+
+
+def test_two_concurrent_appenders_leave_whole_lines(tmp_path):
+    log, count = str(tmp_path / "shared.json"), 150
+    context = mp.get_context("spawn")
+    writers = [context.Process(target=append_many, args=(log, w, count)) for w in range(2)]
+    for p in writers:
+        p.start()
+    for p in writers:
+        p.join(120)
+        assert p.exitcode == 0
+    lines = open(log, encoding="utf-8").read().splitlines()
+    records = [json.loads(line) for line in lines]  # every line parses
+    assert len(records) == 2 * count
+    assert sorted((r["knobs"]["writer"], r["knobs"]["i"]) for r in records) == [(w, i) for w in range(2) for i in range(count)]
+
+
+def test_a_torn_last_line_is_skipped_and_never_swallows_the_next_record(tmp_path):
+    task = softmax_task()
+    log = tmp_path / "torn.json"
+    append_record(log, task.func, TARGET, task.name, {"strategy": "cpu_rows", "lanes": 1}, 30.0)
+    with open(log, "a", encoding="utf-8") as f:
+        f.write('{"version": 1, "key": "half a reco')  # a writer killed mid-line
+    append_record(log, task.func, TARGET, task.name, {"strategy": "cpu_rows", "lanes": 16}, 20.0)
+    with pytest.warns(UserWarning, match="skipped 1 unusable line"):
+        records = list(read_records(log))
+    assert [r["knobs"]["lanes"] for r in records] == [1, 16]
+
+
+def test_ctrl_c_mid_run_then_resume_reaches_the_budget_without_repeats(tmp_path):
+    model = tmp_path / "two_norms.py"
+    model.write_text("from examples.transformer_norms import build_module  # noqa: F401\n")
+    log = tmp_path / "run.json"
+    args = TUNE + ["--model", str(model), "--target", "llvm", "--trials", "8", "--batch", "2", "--log", str(log)]
+    run = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=dict(os.environ, PYTHONPATH=ROOT))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 2):
+        time.sleep(0.2)
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 130 and "add --resume to continue" in err, err
+    before = [json.loads(line) for line in log.read_text().splitlines()]  # whole lines only
+    assert 2 <= len(before) < 8
+    resumed = subprocess.run(args + ["--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, PYTHONPATH=ROOT))
+    assert resumed.returncode == 0, resumed.stderr
+    after = [json.loads(line) for line in log.read_text().splitlines()]
+    assert after[:len(before)] == before and len(after) == 8
+    measured = [(r["key"], json.dumps(r["knobs"], sort_keys=True)) for r in after]
+    assert len(set(measured)) == 8  # the resumed run never re-measured a point
+    assert "| softmax |" in resumed.stdout and "speed-up" in resumed.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "no_such_model"], "no model 'no_such_model'"),
+    (["--model", "suite:nope"], "no suite case 'nope'"),
+    (["--model", "transformer_norms", "--dims", "n=big"], "--dims expects NAME=INT"),
+    (["--model", "transformer_norms", "--target", "tpu"], "unsupported target string 'tpu'"),
+])
+def test_bad_cli_input_is_named(tmp_path, argv, message):
+    out = subprocess.run(TUNE + argv + ["--trials", "1", "--log", str(tmp_path / "x.json")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "x.json").exists()

@@ -1,0 +1,81 @@
+"""Strategy and task scheduler against a known latency table (an oracle stands in for the GPU)."""
+
+import zlib
+
+import numpy as np
+
+import tvm_ext
+from bench.suite import relax_module
+from conftest import CUDA_TARGET
+from search.features import NAMES
+from search.measure import Result
+from search.scheduler import tune
+from search.strategy import TaskSearch
+from search.tasks import Task, extract_tasks
+
+TARGET = tvm_ext.parse_target(CUDA_TARGET)
+COL = {name: i for i, name in enumerate(NAMES)}
+
+
+def task(op, shape, weight=1):
+    (t,) = extract_tasks(relax_module(op, shape, "float16"), TARGET)
+    return Task(t.name, t.key, t.func, weight)
+
+
+def oracle(search_by_func):
+    """Latency as a smooth function of the features (what a model can learn) plus fixed per-point noise."""
+    def measure(func, candidates, dims):
+        search = search_by_func[func]
+        out = []
+        for knobs in candidates:
+            x = search.x[search.points.index(knobs)]
+            noise = zlib.crc32(repr(sorted(knobs.items())).encode()) % 100 / 2000
+            us = 10 * (1 + (x[COL["log2_bytes_per_thread"]] - 5) ** 2 / 8 + 2 / (1 + x[COL["vector_bytes"]]) + noise)
+            out.append(Result(knobs, [float(us)]))
+        return out
+    return measure
+
+
+def exhaustive_best(search):
+    return min(r.best_us for r in oracle({search.task.func: search})(search.task.func, search.points, {}))
+
+
+def test_model_guided_search_beats_random_search_on_the_same_budget(tmp_path):
+    t = task("layer_norm", [49152, 1024])
+    found = {}
+    for name, epsilon in (("model", 0.25), ("random", 1.0)):
+        bests = []
+        for seed in range(3):
+            s = TaskSearch(t, TARGET, str(tmp_path / f"{name}{seed}.json"), budget=24, batch=8, epsilon=epsilon,
+                           patience=99, seed=seed)
+            tune([s], oracle({t.func: s}), trials=24, progress=False)
+            assert len(s.measured) == 24 and len(set(s.measured)) == 24
+            bests.append(s.best_us)
+        found[name] = bests
+    optimum = exhaustive_best(s)
+    assert len(s.points) == 200
+    assert np.mean(found["model"]) < np.mean(found["random"]), found
+    assert sum(b <= optimum * 1.03 for b in found["model"]) >= 2, (found, optimum)  # most seeds: within 3%
+
+
+def test_budget_goes_to_the_heavier_task_and_every_task_gets_a_first_batch(tmp_path):
+    heavy, light = task("layer_norm", [32768, 768], weight=12), task("softmax", [49152, 1024], weight=1)
+    log = str(tmp_path / "two.json")
+    searches = [TaskSearch(t, TARGET, log, budget=64, batch=4, patience=99) for t in (light, heavy)]
+    tune(searches, oracle({s.task.func: s for s in searches}), trials=40, progress=False)
+    spent = {s.task.name: len(s.measured) for s in searches}
+    assert sum(spent.values()) == 40 and min(spent.values()) >= 4
+    assert spent["layer_norm"] > 2 * spent["softmax"], spent
+    assert all(s.heuristic_result is not None for s in searches)  # each first batch measured the default
+    assert len(open(log).read().splitlines()) == 40
+
+
+def test_patience_stops_a_task_that_no_longer_improves(tmp_path):
+    t = task("softmax", [8192, 4096])
+    s = TaskSearch(t, TARGET, str(tmp_path / "flat.json"), budget=40, batch=4, patience=2)
+
+    def flat(func, candidates, dims):
+        return [Result(k, [10.0]) for k in candidates]
+
+    tune([s], flat, trials=40, progress=False)
+    assert len(s.measured) == 12 and s.done  # one batch sets the best, two more that do not improve end it
