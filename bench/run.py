@@ -130,7 +130,10 @@ def run_case(case: dict, database, log, variance_algorithms=(), int64=False) -> 
         ref = impls["torch_eager"](*args)
         ref64 = torch_fn(op)(*[a.double() for a in args])
         nbytes = effective_bytes(op, conc, dtype)
-        for impl, fn in impls.items():
+        point_impls = dict(impls)
+        if int64 and values:  # the same shape built static: what the symbolic build's host dispatch costs
+            point_impls["ours_static"] = tvm_callable(tvm_ext.build(relax_module(op, conc, dtype), "cuda"))
+        for impl, fn in point_impls.items():
             try:
                 out = fn(*args)
                 torch.cuda.synchronize()
@@ -160,7 +163,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="")
     ap.add_argument("--variance", default="", help="comma-separated variance algorithms to add as ours_<name> rows "
                                                    "on LayerNorm and batch-statistics cases (welford,two_pass,one_pass)")
-    ap.add_argument("--int64", action="store_true", help="add ours_int64 rows: built without index narrowing")
+    ap.add_argument("--int64", action="store_true", help="add ours_int64 rows: built without index narrowing "
+                    "(and, for symbolic cases, ours_static rows: each point built with static shapes)")
     args = ap.parse_args(argv)
     torch._dynamo.config.recompile_limit = 64  # dynamic cases compile once per listed size
     if not torch.cuda.is_available() or not tvm.cuda(0).exist:

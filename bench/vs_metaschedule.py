@@ -39,6 +39,17 @@ def ms_target(target) -> Target:
     return target
 
 
+def _prepare_builder_worker() -> None:
+    """Run once in each builder process (MetaSchedule starts fresh ones for every batch), outside the
+    30 s per-build timeout. `default_build` imports tvm.s_tir.tensor_intrin, which took 35 s on our CPU
+    machine, so inside the timeout every build of a batch timed out and tune_tir measured nothing.
+    The worker also needs our Welford reducers, as this process registered them when the task was
+    extracted, to lower cross-thread reductions of them."""
+    import tvm.s_tir.tensor_intrin  # noqa: F401,PLC0415
+
+    welford.register()
+
+
 def tune_metaschedule(func: tvm.tirx.PrimFunc, target, trials: int, work_dir: str,
                       lib_path: str | None = None) -> tuple[float, tvm.IRModule | None]:
     """(wall seconds of tune_tir, the best scheduled IRModule or None when no candidate ran).
@@ -49,9 +60,7 @@ def tune_metaschedule(func: tvm.tirx.PrimFunc, target, trials: int, work_dir: st
     """
     target = ms_target(target)
     os.makedirs(work_dir, exist_ok=True)  # JSONDatabase cannot create it
-    # builder workers are fresh processes: they must learn our Welford reducers before lowering
-    # cross-thread reductions of them, as this process did when the task was extracted
-    builder = ms.builder.LocalBuilder(initializer=welford.register)
+    builder = ms.builder.LocalBuilder(initializer=_prepare_builder_worker)
     start = time.perf_counter()
     database = ms.tune_tir(func, target, work_dir, max_trials_global=trials, num_trials_per_iter=min(trials, 64),
                            builder=builder)

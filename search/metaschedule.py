@@ -7,8 +7,9 @@ primitives, so the Schedule a record's knobs build carries such a trace, and a s
 
 Not every template is a trace: the grid strategies write their kernel as TVMScript and splice the
 fused function into it (new parameters, `call_extern` barriers and atomics, a PrimFunc attr for the
-zero-filled inputs), and a function whose reads `schedules.analysis.match` had to widen is
-rescheduled from a rewritten copy. Replaying their trace on the workload does not give our kernel,
+zero-filled inputs), and a function whose reads `schedules.analysis.match` had to widen (Welford's
+pivot read: LayerNorm and batch statistics under the default variance="welford") is scheduled from a
+rewritten copy, so its trace starts from a function MetaSchedule never sees. Replaying their trace on the workload does not give our kernel,
 so each record is replayed the way MetaSchedule would replay it and compared before it is written;
 a task whose best record does not replay is skipped, with the reason.
 """
@@ -41,7 +42,8 @@ def workload_of(func: tirx.PrimFunc) -> tvm.IRModule:
 
 
 def best_records(log_path, tasks) -> dict:
-    """{task key: the fastest successful record of that task}; failed records ("us" None) never count."""
+    """{task key: the fastest successful record of that task}. A failed record ("us" None, or any
+    "error", such as a wrong result that was still timed) never counts."""
     keys, best = {task.key for task in tasks}, {}
     for rec in read_records(log_path):
         if rec["key"] in keys and rec.get("error") is None and rec.get("us") is not None:

@@ -12,12 +12,15 @@ from tvm.target import Target
 
 from schedules.analysis import match
 from schedules.device import device_of
-from schedules.dispatch import STRATEGIES
+from schedules.dispatch import STRATEGIES, heuristic_knobs
 
 
 def knob_space(func: tirx.PrimFunc, target: Target) -> list[dict]:
-    """The points of every strategy that fits `func` on `target`, in the heuristic's strategy order."""
+    """The points of every strategy that fits `func` on `target`, in the heuristic's strategy order,
+    and the heuristic's own point (first, when the strategies' grids do not hold it)."""
     pattern, device = match(func), device_of(target)
     if pattern is None:
         return []
-    return [point for strategy in STRATEGIES.values() for point in strategy.knob_space(pattern, device)]
+    points = [point for strategy in STRATEGIES.values() for point in strategy.knob_space(pattern, device)]
+    default = heuristic_knobs(func, target)
+    return points if default is None or default in points else [default] + points

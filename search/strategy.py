@@ -32,9 +32,7 @@ class TaskSearch:
         self.task, self.target, self.log, self.dims = task, target, log, dims or {}
         self.batch, self.epsilon, self.patience = batch, epsilon, patience
         self.points = knob_space(task.func, target)
-        self.heuristic = heuristic_knobs(task.func, target)
-        if self.heuristic is not None and self.heuristic not in self.points:
-            self.points.insert(0, self.heuristic)
+        self.heuristic = heuristic_knobs(task.func, target)  # knob_space holds it
         self.x = candidate_features(task.func, self.points, target)
         self.budget = min(budget, len(self.points))
         self.rng, self.model = random.Random(seed), CostModel()

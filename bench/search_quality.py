@@ -1,0 +1,157 @@
+"""Judge the search on a measured space table (bench.measure_spaces): no GPU needed to replay.
+
+    python -m bench.search_quality --table bench/results/space.json --out bench/results/search-quality
+
+For each case the tuner (model-guided, epsilon 0.25, batches of 8) and random search are replayed
+over the measured points, 10 seeds each, and compared with the exhaustive best: best-so-far after
+each trial (the curves, plotted), the ratio at 64 trials, and the trials the tuner's early stop
+uses. Transfer: a model trained on the public cases' measurements picks, with 0 trials, a point
+for each hidden shape; that point's latency is compared with what 64 trials find.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+
+import numpy as np
+from tvm.target import Target
+
+from bench.suite import relax_module
+from search.cost_model import CostModel
+from search.measure import Result
+from search.scheduler import tune
+from search.strategy import TaskSearch
+from search.tasks import extract_tasks
+
+SEEDS, TRIALS = 10, 64
+
+
+def _key(knobs: dict) -> str:
+    return json.dumps(knobs, sort_keys=True)
+
+
+def _oracle(rows: list[dict]):
+    table = {_key(r["knobs"]): r for r in rows}
+
+    def measure(func, candidates, dims):
+        return [Result(k, table[_key(k)]["us"] or [], table[_key(k)]["error"]) for k in candidates]
+    return measure
+
+
+def _search(task, target, rows, epsilon, seed, patience, log) -> TaskSearch:
+    search = TaskSearch(task, target, log, TRIALS, batch=8, epsilon=epsilon, patience=patience, seed=seed)
+    tune([search], _oracle(rows), TRIALS, progress=False)
+    return search
+
+
+def _curve(search: TaskSearch, best: float) -> list[float]:
+    curve = [c / best for c in search.curve()]
+    return curve + [curve[-1]] * (TRIALS - len(curve))  # a search that ran out of points stays where it ended
+
+
+def judge(table: dict) -> dict:
+    target = Target(table["target"])
+    out, training = {"cases": {}, "transfer": {}}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        log = f"{tmp}/replay.json"
+        tasks = {}
+        for cid, entry in table["cases"].items():
+            c = entry["case"]
+            (task,) = extract_tasks(relax_module(c["op"], c["shape"], c["dtype"]), target)
+            rows, tasks[cid] = entry["points"], task
+            best = min(min(r["us"]) for r in rows if r["error"] is None)
+            curves = {name: [_curve(_search(task, target, rows, eps, seed, 10**6, log), best) for seed in range(SEEDS)]
+                      for name, eps in (("ours", 0.25), ("random", 1.0))}
+            stopped = [_search(task, target, rows, 0.25, seed, 3, log) for seed in range(SEEDS)]
+            out["cases"][cid] = {
+                "points": len(rows), "exhaustive_us": best, "hidden": bool(entry.get("hidden")),
+                "ours_at_64": float(np.mean([cv[-1] for cv in curves["ours"]])),
+                "ours_worst_at_64": float(np.max([cv[-1] for cv in curves["ours"]])),
+                "random_at_64": float(np.mean([cv[-1] for cv in curves["random"]])),
+                "early_stop_trials": float(np.mean([len(s.measured) for s in stopped])),
+                "early_stop_ratio": float(np.mean([s.best_us / best for s in stopped])),
+                "curves": {name: np.median(cv, axis=0).tolist() for name, cv in curves.items()}}
+            print(f"{cid}: {len(rows)} points; at 64 trials ours {out['cases'][cid]['ours_at_64']:.3f}x of best "
+                  f"(worst seed {out['cases'][cid]['ours_worst_at_64']:.3f}), random {out['cases'][cid]['random_at_64']:.3f}",
+                  flush=True)
+        public = [cid for cid, e in table["cases"].items() if not e.get("hidden")]
+        for cid, entry in table["cases"].items():
+            if not entry.get("hidden"):
+                continue
+            groups = []
+            for other in public:
+                search = TaskSearch(tasks[other], target, log, 0)
+                rows = {_key(r["knobs"]): r for r in table["cases"][other]["points"]}
+                good = [i for i, p in enumerate(search.points) if rows[_key(p)]["error"] is None]
+                groups.append((search.x[good], np.array([min(rows[_key(search.points[i])]["us"]) for i in good])))
+            model = CostModel().fit(groups)
+            search = TaskSearch(tasks[cid], target, log, 0)
+            pick = search.points[int(np.argmax(model.score(search.x)))]
+            rows = {_key(r["knobs"]): r for r in entry["points"]}
+            pick_us = min(rows[_key(pick)]["us"]) if rows[_key(pick)]["error"] is None else float("inf")
+            tuned = float(np.mean([_search(tasks[cid], target, entry["points"], 0.25, s, 10**6, log).best_us
+                                   for s in range(SEEDS)]))
+            out["transfer"][cid] = {"pick": pick, "pick_us": pick_us, "tuned_64_us": tuned, "ratio": pick_us / tuned}
+            print(f"transfer {cid}: 0 trials {pick_us:.1f} us vs 64 trials {tuned:.1f} us ({pick_us / tuned:.3f}x)",
+                  flush=True)
+    return out
+
+
+def markdown(result: dict) -> str:
+    lines = ["| case | points | exhaustive us | ours @64 (mean / worst of 10 seeds) | random @64 | early stop: trials, ratio |",
+             "|---|---|---|---|---|---|"]
+    for cid, r in result["cases"].items():
+        lines.append(f"| {cid}{' (hidden)' if r['hidden'] else ''} | {r['points']} | {r['exhaustive_us']:.1f} | "
+                     f"{r['ours_at_64']:.3f} / {r['ours_worst_at_64']:.3f} | {r['random_at_64']:.3f} | "
+                     f"{r['early_stop_trials']:.0f}, {r['early_stop_ratio']:.3f} |")
+    lines += ["", "| hidden case | 0-trial pick us | 64-trial us | ratio |", "|---|---|---|---|"]
+    lines += [f"| {cid} | {t['pick_us']:.1f} | {t['tuned_64_us']:.1f} | {t['ratio']:.3f} |"
+              for cid, t in result["transfer"].items()]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib  # noqa: PLC0415  (bench extra)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    names = [cid for cid, r in result["cases"].items() if r["points"] > 8]
+    cols = 4
+    fig, axes = plt.subplots((len(names) + cols - 1) // cols, cols, figsize=(16, 3 * ((len(names) + cols - 1) // cols)),
+                             squeeze=False)
+    for ax, cid in zip(axes.flat, names):
+        for name, style in (("ours", "-"), ("random", "--")):
+            curve = result["cases"][cid]["curves"][name]
+            ax.plot(range(1, len(curve) + 1), curve, style, label=name)
+        ax.set_title(cid, fontsize=9)
+        ax.set_ylim(0.98, min(2.0, max(result["cases"][cid]["curves"]["random"][7:] + [1.1])))
+        ax.axhline(1.03, color="grey", lw=0.5)
+    for ax in axes.flat[len(names):]:
+        ax.axis("off")
+    axes.flat[0].legend()
+    fig.supxlabel("trials")
+    fig.supylabel("best so far / exhaustive best (median of 10 seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--table", required=True)
+    ap.add_argument("--out", required=True, help="path prefix: writes .json, .md and .png")
+    args = ap.parse_args(argv)
+    result = judge(json.load(open(args.table)))
+    with open(args.out + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(markdown(result) + "\n")
+    plot(result, args.out + ".png")
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
