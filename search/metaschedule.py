@@ -102,8 +102,9 @@ def export_metaschedule(log_path, tasks, target, out_dir) -> dict:
 
     Files: `database_workload.json` and `database_tuning_record.json`, appended to if present (as
     MetaSchedule itself does), written through JSONDatabase so that their format is TVM's.
-    Returns {"exported": {task name: us}, "skipped": {task name: reason}, "workload": path,
-    "tuning_record": path}.
+    Returns {"exported": {task key: {"task": name, "us": us}}, "skipped": {task key: {"task": name,
+    "reason": why}}, "workload": path, "tuning_record": path}; keyed by task key, since tasks of
+    different structure may share a name (two `sum`s).
     """
     target = target if isinstance(target, Target) else parse_target(target)
     os.makedirs(out_dir, exist_ok=True)
@@ -114,14 +115,14 @@ def export_metaschedule(log_path, tasks, target, out_dir) -> dict:
     for task in tasks:
         rec = best.get(task.key)
         if rec is None:
-            skipped[task.name] = "no successful record in the log"
+            skipped[task.key] = {"task": task.name, "reason": "no successful record in the log"}
             continue
         record, reason = tuning_record(task.func, target, rec["knobs"], rec["us"])
         if record is None:
-            skipped[task.name] = reason
+            skipped[task.key] = {"task": task.name, "reason": reason}
         else:
             records.append(record)
-            exported[task.name] = rec["us"]
+            exported[task.key] = {"task": task.name, "us": rec["us"]}
     if records:  # JSONDatabase creates both files at construction: none when there is nothing to write
         db = JSONDatabase(path_workload=paths["workload"], path_tuning_record=paths["tuning_record"])
         for record in records:

@@ -38,7 +38,7 @@ def test_stock_jsondatabase_gives_back_our_schedule(tmp_path):
     log = tmp_path / "log.jsonl"
     append_record(log, task.func, LLVM, task.name, knobs, 12.5)
     result = export_metaschedule(log, [task], LLVM, tmp_path / "ms")
-    assert result["exported"] == {task.name: 12.5} and result["skipped"] == {}
+    assert result["exported"] == {task.key: {"task": task.name, "us": 12.5}} and result["skipped"] == {}
 
     db = stock_db(result)
     (record,) = db.get_all_tuning_records()
@@ -63,8 +63,8 @@ def test_best_record_is_exported_and_failures_never(tmp_path):
     append_record(log, task.func, LLVM, task.name, {"strategy": "cpu_rows", "lanes": 16}, 1.0, error="wrong result")
     append_record(log, other.func, LLVM, other.name, {"strategy": "cpu_rows", "lanes": 1}, None, error="wrong result")
     result = export_metaschedule(log, [task, other], LLVM, tmp_path / "ms")
-    assert result["exported"] == {task.name: 25.0}
-    assert result["skipped"] == {other.name: "no successful record in the log"}
+    assert result["exported"] == {task.key: {"task": task.name, "us": 25.0}}
+    assert result["skipped"] == {other.key: {"task": other.name, "reason": "no successful record in the log"}}
 
     db = stock_db(result)
     (record,) = db.get_all_tuning_records()  # one task, one record: neither failure got in
@@ -97,10 +97,10 @@ def test_only_templates_that_replay_are_exported(tmp_path, case, target, knobs, 
     append_record(log, task.func, target, task.name, knobs, 7.0)
     result = export_metaschedule(log, [task], target, tmp_path / "ms")
     if not exported:
-        assert result["exported"] == {} and knobs["strategy"] in result["skipped"][task.name]
+        assert result["exported"] == {} and knobs["strategy"] in result["skipped"][task.key]["reason"]
         assert not (tmp_path / "ms" / "database_tuning_record.json").exists()
         return
-    assert result["exported"] == {task.name: 7.0}, result["skipped"]
+    assert result["exported"] == {task.key: {"task": task.name, "us": 7.0}}, result["skipped"]
     got = stock_db(result).query_ir_module(workload_of(task.func), target, "main")
     assert tvm_ffi.structural_equal(got, ours(task, target, knobs))
 
@@ -132,4 +132,17 @@ def test_a_kernel_the_trace_does_not_reproduce_is_skipped(tmp_path, monkeypatch)
     append_record(log, task.func, LLVM, task.name, knobs, 7.0)
     result = export_metaschedule(log, [task], LLVM, tmp_path / "ms")
     assert result["exported"] == {}
-    assert "does not give our kernel" in result["skipped"][task.name]
+    assert "does not give our kernel" in result["skipped"][task.key]["reason"]
+
+
+def test_tasks_that_share_a_name_are_reported_apart(tmp_path):
+    col, row = task_of(("col_sum", [4096, 1024], "float32"), CUDA), task_of(("row_sum", [64, 131072], "float32"), CUDA)
+    assert col.name == row.name == "sum" and col.key != row.key
+    log = tmp_path / "log.jsonl"
+    append_record(log, col.func, CUDA, col.name, {"strategy": "column_reduce", "cols": 16, "lanes": 64}, 9.0)
+    append_record(log, row.func, CUDA, row.name, {"strategy": "grid_reduce", "blocks_per_row": 32, "threads": 512,
+                                                  "vec": 4}, 4.0)
+    result = export_metaschedule(log, [col, row], CUDA, tmp_path / "ms")
+    assert result["exported"] == {col.key: {"task": "sum", "us": 9.0}}
+    assert list(result["skipped"]) == [row.key] and "trace is empty" in result["skipped"][row.key]["reason"]
+    assert len(stock_db(result).get_all_tuning_records()) == 1
