@@ -27,7 +27,7 @@ from tvm.s_tir.meta_schedule.database import JSONDatabase, MemoryDatabase, Tunin
 from tvm.target import Target
 
 import schedules
-from tvm_ext.records import read_records
+from tvm_ext.records import Database
 from tvm_ext.target import parse_target
 
 # MetaSchedule's own normalisation (global_symbol "main" unless set, "tirx.noalias", IRModule({"main":
@@ -39,17 +39,6 @@ WORKLOAD_NAME = "main"  # the name compile_tir queries under; the only function 
 def workload_of(func: tirx.PrimFunc) -> tvm.IRModule:
     """The IRModule MetaSchedule sees for `func`: a database lookup only finds a structurally equal one."""
     return normalize_mod(func)
-
-
-def best_records(log_path, tasks) -> dict:
-    """{task key: the fastest successful record of that task}. A failed record ("us" None, or any
-    "error", such as a wrong result that was still timed) never counts."""
-    keys, best = {task.key for task in tasks}, {}
-    for rec in read_records(log_path):
-        if rec["key"] in keys and rec.get("error") is None and rec.get("us") is not None:
-            if rec["key"] not in best or rec["us"] < best[rec["key"]]["us"]:
-                best[rec["key"]] = rec
-    return best
 
 
 def args_info(func: tirx.PrimFunc) -> list | None:
@@ -110,19 +99,19 @@ def export_metaschedule(log_path, tasks, target, out_dir) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     paths = {"workload": os.path.join(out_dir, "database_workload.json"),
              "tuning_record": os.path.join(out_dir, "database_tuning_record.json")}
-    best = best_records(log_path, tasks)
+    best = Database.load(log_path).best  # failed measurements never count
     exported, skipped, records = {}, {}, []
     for task in tasks:
-        rec = best.get(task.key)
-        if rec is None:
+        if task.key not in best:
             skipped[task.key] = {"task": task.name, "reason": "no successful record in the log"}
             continue
-        record, reason = tuning_record(task.func, target, rec["knobs"], rec["us"])
+        us, knobs = best[task.key]
+        record, reason = tuning_record(task.func, target, knobs, us)
         if record is None:
             skipped[task.key] = {"task": task.name, "reason": reason}
         else:
             records.append(record)
-            exported[task.key] = {"task": task.name, "us": rec["us"]}
+            exported[task.key] = {"task": task.name, "us": us}
     if records:  # JSONDatabase creates both files at construction: none when there is nothing to write
         db = JSONDatabase(path_workload=paths["workload"], path_tuning_record=paths["tuning_record"])
         for record in records:
