@@ -16,7 +16,7 @@ def two_layer_norms_and_a_softmax():
         with bb.dataflow():
             h = bb.emit(relax.op.nn.layer_norm(x, g, b, axes=[-1]))
             k = bb.emit(relax.op.nn.layer_norm(y, g, b, axes=[-1]))
-            out = bb.emit_output(relax.Tuple([h, relax.op.nn.softmax(k, axis=-1)]))
+            out = bb.emit_output(relax.Tuple([h, k, relax.op.nn.softmax(x, axis=-1)]))
         bb.emit_func_output(out)
     return bb.get()
 

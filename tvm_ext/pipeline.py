@@ -28,6 +28,7 @@ from . import welford
 from .legalize import legalizations
 from .narrowing import narrow_indices
 from .records import Database
+from .reduce_fusion import FuseReduceGroups
 from .variants import rewrite_call_sites
 
 PIPELINE = "tvm_ext"
@@ -100,6 +101,7 @@ def fusion_passes(**options) -> list:
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
+        FuseReduceGroups(),
         relax.transform.FuseTIR(),
     ]
 

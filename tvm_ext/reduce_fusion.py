@@ -1,0 +1,301 @@
+"""Reduce-centric fusion: one function per reduction and the elementwise work around it.
+
+TVM's FuseOps fuses elementwise producers into a reduction and elementwise consumers after a
+LayerNorm-like op, but never a reduction with the elementwise work after it, nor two reductions
+over the same rows. A norm spelled out the way models write it (`x.float().pow(2).mean(-1)`,
+`rsqrt`, `x * r`, `.to(fp16) * w`; softmax as max / sub / exp / sum / div) therefore ran as
+several kernels, each a full trip through memory. This pass runs between FuseOps and FuseTIR and
+merges FuseOps' groups (and lone kernels) across those edges, CINN-style, around a reduction:
+
+* a group is centred on reductions of one signature: the same input rows reduced to the same shape
+  (max then sum in softmax, mean then mean of squares in LayerNorm; symbolic dims compare as vars);
+* it takes in elementwise / broadcast producers and consumers whose output has the rows' shape or
+  the reduced shape (residual adds before, casts, weights and activations after);
+* it stops at anything else (matmuls, convolutions, layout changes, ops it does not know), which
+  keep TVM's own fusion, and never merges two groups when a path between them leaves the group
+  (the merged function would depend on itself).
+
+A merged group becomes one Relax function marked Primitive; FuseTIR turns it into one PrimFunc,
+which this project's dispatcher schedules like the single-op norms. Values other code still needs
+(the residual sum before an RMSNorm) become extra outputs of the group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import tvm
+import tvm_ffi
+from tvm import relax, tirx
+
+from schedules.analysis import is_reduce_subgraph
+
+CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+ELEMENTWISE = 1  # op_pattern: 0 elementwise, 1 broadcast
+
+
+@dataclass
+class _Node:
+    """One binding of a dataflow block, as a unit that may join a group."""
+
+    index: int
+    binding: relax.VarBinding
+    inputs: set = field(default_factory=set)  # indices of the nodes it reads
+    signature: tuple | None = None  # (rows shape, reduced shape) of its reductions
+    mergeable: bool = False
+    out_shape: tuple | None = None
+
+
+def _shape(expr) -> tuple | None:
+    return _type_shape(expr.ty)
+
+
+def _type_shape(ty) -> tuple | None:
+    return tuple(ty.shape.values) if isinstance(ty, relax.TensorType) and ty.shape is not None else None
+
+
+def _same(a, b) -> bool:
+    return a is not None and b is not None and len(a) == len(b) and all(
+        tvm_ffi.structural_equal(x, y) for x, y in zip(a, b))
+
+
+def _kernel_calls(mod: tvm.IRModule, call: relax.Call) -> list | None:
+    """The call_tir calls a node stands for (itself, or a FuseOps group's body); None if not kernels."""
+    if call.op.same_as(CALL_TIR):
+        return [call]
+    if isinstance(call.op, relax.GlobalVar) and isinstance(mod[call.op], relax.Function) \
+            and mod[call.op].attrs and mod[call.op].attrs.get("Primitive", False):
+        body = mod[call.op].body
+        calls = [b.value for block in body.blocks for b in block.bindings]
+        return calls if all(isinstance(c, relax.Call) and c.op.same_as(CALL_TIR) for c in calls) else None
+    return None
+
+
+def _classify(mod: tvm.IRModule, node: _Node) -> None:
+    """Set what a node can merge as: reductions of one signature and elementwise work, or nothing."""
+    value = node.binding.value
+    calls = _kernel_calls(mod, value) if isinstance(value, relax.Call) else None
+    if not calls:
+        return
+    signatures = []
+    for call in calls:
+        func = mod[call.args[0]]
+        pattern = int(func.attrs["op_pattern"]) if func.attrs and "op_pattern" in func.attrs else None
+        if is_reduce_subgraph(func):
+            rows = max((_shape(a) for a in call.args[1].fields if _shape(a) is not None), key=len, default=None)
+            signatures.append((rows, _type_shape(call.ty_args[0])))
+        elif pattern is None or pattern > ELEMENTWISE:
+            return
+    if any(not _same(s[0], signatures[0][0]) or not _same(s[1], signatures[0][1]) for s in signatures):
+        return
+    node.signature = signatures[0] if signatures else None
+    node.out_shape = _shape(node.binding.var)
+    node.mergeable = True
+
+
+class _Groups:
+    """Union-find of nodes with each group's signature; merges only what keeps the graph acyclic."""
+
+    def __init__(self, nodes: list, escaping: set):
+        self.nodes, self.parent = nodes, list(range(len(nodes)))
+        self.signature = {n.index: n.signature for n in nodes}
+        self.escaping = escaping  # nodes whose value is also needed outside any group
+
+    def find(self, i: int) -> int:
+        while self.parent[i] != i:
+            self.parent[i] = self.parent[self.parent[i]]
+            i = self.parent[i]
+        return i
+
+    def members(self, root: int) -> list:
+        return [n for n in self.nodes if self.find(n.index) == root]
+
+    def _fits(self, signature, members) -> bool:
+        rows, reduced = signature
+        return all(n.signature is not None or _same(n.out_shape, rows) or _same(n.out_shape, reduced) for n in members)
+
+    def _detour(self, a: int, b: int) -> bool:
+        """Whether some path from group a to group b (or back) passes outside both."""
+        consumers: dict = {}
+        for n in self.nodes:
+            for i in n.inputs:
+                consumers.setdefault(self.find(i), set()).add(self.find(n.index))
+        for start, end in ((a, b), (b, a)):
+            frontier = [g for g in consumers.get(start, ()) if g not in (a, b)]
+            seen = set(frontier)
+            while frontier:
+                g = frontier.pop()
+                if g == end:
+                    return True
+                for nxt in consumers.get(g, ()):
+                    if nxt == end:
+                        return True
+                    if nxt not in seen and nxt != start:
+                        seen.add(nxt)
+                        frontier.append(nxt)
+        return False
+
+    def try_merge(self, a: int, b: int) -> bool:
+        """Merge the group of producer `a` into the group of its consumer `b`, if allowed."""
+        a, b = self.find(a), self.find(b)
+        sa, sb = self.signature[a], self.signature[b]
+        if a == b or (sa is None and sb is None):  # elementwise with elementwise is FuseOps' business
+            return False
+        if sa is None and any(n.index in self.escaping for n in self.members(a)):
+            # an elementwise prologue that is also an output (a residual sum) would have to be
+            # written from inside the row loop; the templates do not do that yet: it stays apart
+            return False
+        if sa is not None and sb is not None and not (_same(sa[0], sb[0]) and _same(sa[1], sb[1])):
+            return False
+        signature = sa or sb
+        if not self._fits(signature, self.members(a) + self.members(b)) or self._detour(a, b):
+            return False
+        self.parent[b] = a
+        self.signature[a] = signature
+        return True
+
+
+def _groups(mod: tvm.IRModule, block: relax.DataflowBlock, used_after: set) -> tuple[list, _Groups]:
+    nodes = [_Node(i, b) for i, b in enumerate(block.bindings)]
+    defined = {n.binding.var: n.index for n in nodes}
+    for node in nodes:
+        used = []
+        tvm_ffi.structural_walk(node.binding.value, (relax.Var, used.append), order="pre")
+        node.inputs = {defined[v] for v in used if v in defined}
+        _classify(mod, node)
+    escaping = {n.index for n in nodes if n.binding.var in used_after}
+    escaping |= {i for n in nodes if not n.mergeable for i in n.inputs}
+    groups = _Groups(nodes, escaping)
+    changed = True
+    while changed:  # to a fixpoint: a producer may become mergeable once its consumer joined a group
+        changed = False
+        for node in nodes:
+            for i in sorted(node.inputs):
+                if node.mergeable and nodes[i].mergeable:
+                    changed |= groups.try_merge(i, node.index)
+    return nodes, groups
+
+
+def _inline(mod, member: _Node, subst: dict, bindings: list) -> None:
+    """Append `member`'s kernel calls to `bindings`, its inputs replaced through `subst`."""
+    value = member.binding.value
+    if value.op.same_as(CALL_TIR):
+        steps, result = [(member.binding.var, value)], member.binding.var
+    else:
+        func = mod[value.op]
+        for param, arg in zip(func.params, value.args):
+            subst[param] = subst.get(arg, arg)
+        steps = [(b.var, b.value) for block in func.body.blocks for b in block.bindings]
+        result = func.body.body
+    for var, call in steps:
+        args = relax.Tuple([subst.get(a, a) for a in call.args[1].fields])
+        new_call = relax.Call(call.op, [call.args[0], args, *call.args[2:]], call.attrs, call.ty_args)
+        subst[var] = relax.DataflowVar(var.name, var.ty)
+        bindings.append(relax.VarBinding(subst[var], new_call))
+    subst[member.binding.var] = subst[result]
+
+
+def _group_function(mod, members: list, outputs: list) -> tuple[relax.Function, list]:
+    """(the Primitive function computing `members`, the outside values it takes)."""
+    inside = {m.binding.var for m in members}
+    external: list = []
+    for m in members:
+        used = []
+        tvm_ffi.structural_walk(m.binding.value, (relax.Var, used.append), order="pre")
+        external += [v for v in used if v not in inside and v not in external and not isinstance(v, relax.GlobalVar)]
+    params = [relax.Var(v.name, v.ty) for v in external]
+    subst, bindings = dict(zip(external, params)), []
+    for m in members:
+        _inline(mod, m, subst, bindings)
+    results = [subst[v] for v in outputs]
+    if len(results) == 1:
+        out = relax.Var("gv", results[0].ty)
+        bindings.append(relax.VarBinding(out, results[0]))
+    else:
+        out = relax.Var("gv", relax.TupleType([r.ty for r in results]))
+        bindings.append(relax.VarBinding(out, relax.Tuple(results)))
+    body = relax.SeqExpr([relax.DataflowBlock(bindings)], out)
+    func = relax.Function(params, body, out.ty, is_pure=True).with_attr("Primitive", True)
+    return func, external
+
+
+def _rewrite_block(builder: relax.BlockBuilder, mod, block, used_after: set):
+    nodes, groups = _groups(mod, block, used_after)
+    by_root: dict = {}
+    for n in nodes:
+        by_root.setdefault(groups.find(n.index), []).append(n)
+    fused = {root: ms for root, ms in by_root.items() if len(ms) > 1}
+    if not fused:
+        return block
+    readers: dict = {}
+    for n in nodes:
+        for i in n.inputs:
+            readers.setdefault(i, set()).add(groups.find(n.index))
+    emitted: dict = {}  # root -> the bindings that replace its members
+    for root, members in fused.items():
+        outputs = [m.binding.var for m in members
+                   if m.binding.var in used_after or any(r != root for r in readers.get(m.index, ()))]
+        func, external = _group_function(mod, members, outputs)
+        name = "fused_" + "_".join(dict.fromkeys(_name(mod, m) for m in members))
+        gv = builder.add_func(func, name[:80])
+        call = relax.Call(gv, external)
+        if len(outputs) == 1:
+            emitted[root] = [relax.VarBinding(outputs[0], call)]
+        else:
+            tup = relax.DataflowVar("fused", relax.TupleType([v.ty for v in outputs]))
+            emitted[root] = [relax.VarBinding(tup, call)] + [
+                relax.VarBinding(v, relax.TupleGetItem(tup, i)) for i, v in enumerate(outputs)]
+    return relax.DataflowBlock(_topological(nodes, groups, fused, emitted))
+
+
+def _topological(nodes, groups, fused, emitted) -> list:
+    """Bindings in an order where every value is defined before use: groups are emitted whole, in
+    the place of their last-ready member, everything else keeps its relative order."""
+    unit = {n.index: groups.find(n.index) if groups.find(n.index) in fused else ("single", n.index) for n in nodes}
+    needs = {}
+    for n in nodes:
+        needs.setdefault(unit[n.index], set()).update(unit[i] for i in n.inputs if unit[i] != unit[n.index])
+    order, done = [], set()
+    pending = list(dict.fromkeys(unit[n.index] for n in nodes))
+    while pending:
+        ready = next(u for u in pending if needs.get(u, set()) <= done)
+        pending.remove(ready)
+        done.add(ready)
+        order += emitted[ready] if ready in emitted else [nodes[ready[1]].binding]
+    return order
+
+
+def _name(mod, node: _Node) -> str:
+    value = node.binding.value
+    target = value.args[0] if value.op.same_as(CALL_TIR) else value.op
+    return target.name_hint.removeprefix("fused_")
+
+
+@tvm.transform.module_pass(opt_level=0, name="TVMExtFuseReduceGroups")
+class FuseReduceGroups:
+    """Merge FuseOps' output around reductions (see the module docstring)."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        builder = relax.BlockBuilder(mod)
+        for gv, func in list(mod.functions_items()):
+            if not isinstance(func, relax.Function) or (func.attrs and func.attrs.get("Primitive", False)):
+                continue
+            if not isinstance(func.body, relax.SeqExpr):
+                continue
+            blocks = list(func.body.blocks)
+            new_blocks = []
+            for i, block in enumerate(blocks):
+                if not isinstance(block, relax.DataflowBlock):
+                    new_blocks.append(block)
+                    continue
+                after = []
+                for later in blocks[i + 1:]:
+                    tvm_ffi.structural_walk(later, (relax.Var, after.append), order="pre")
+                tvm_ffi.structural_walk(func.body.body, (relax.Var, after.append), order="pre")
+                used_after = {v for v in after} | {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
+                new_blocks.append(_rewrite_block(builder, mod, block, used_after))
+            if any(a is not b for a, b in zip(new_blocks, blocks)):
+                body = relax.SeqExpr(new_blocks, func.body.body)
+                builder.update_func(gv, relax.Function(func.params, body, func.ret_ty, func.is_pure,
+                                                       func.attrs, func.span))
+        return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(builder.get()))
