@@ -30,6 +30,8 @@ from tvm import relax, tirx
 
 from schedules.analysis import is_reduce_subgraph
 
+from .variants import substitute
+
 CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 ELEMENTWISE = 1  # op_pattern: 0 elementwise, 1 broadcast
 
@@ -59,31 +61,40 @@ def _same(a, b) -> bool:
         tvm_ffi.structural_equal(x, y) for x, y in zip(a, b))
 
 
-def _kernel_calls(mod: tvm.IRModule, call: relax.Call) -> list | None:
-    """The call_tir calls a node stands for (itself, or a FuseOps group's body); None if not kernels."""
+def _kernel_calls(mod: tvm.IRModule, call: relax.Call) -> tuple[list, dict] | None:
+    """(the call_tir calls a node stands for: itself, or a FuseOps group's body; the group's
+    symbolic dims -> the caller's), or None if the node is not kernels."""
     if call.op.same_as(CALL_TIR):
-        return [call]
-    if isinstance(call.op, relax.GlobalVar) and isinstance(mod[call.op], relax.Function) \
-            and mod[call.op].attrs and mod[call.op].attrs.get("Primitive", False):
-        body = mod[call.op].body
-        calls = [b.value for block in body.blocks for b in block.bindings]
-        return calls if all(isinstance(c, relax.Call) and c.op.same_as(CALL_TIR) for c in calls) else None
+        return [call], {}
+    func = mod[call.op] if isinstance(call.op, relax.GlobalVar) else None
+    if isinstance(func, relax.Function) and func.attrs and func.attrs.get("Primitive", False):
+        calls = [b.value for block in func.body.blocks for b in block.bindings]
+        if not all(isinstance(c, relax.Call) and c.op.same_as(CALL_TIR) for c in calls):
+            return None
+        dims = {}
+        for param, arg in zip(func.params, call.args):
+            for inner, outer in zip(_shape(param) or (), _shape(arg) or ()):
+                if isinstance(inner, tirx.Var):
+                    dims[inner] = outer
+        return calls, dims
     return None
 
 
 def _classify(mod: tvm.IRModule, node: _Node) -> None:
     """Set what a node can merge as: reductions of one signature and elementwise work, or nothing."""
     value = node.binding.value
-    calls = _kernel_calls(mod, value) if isinstance(value, relax.Call) else None
-    if not calls:
+    found = _kernel_calls(mod, value) if isinstance(value, relax.Call) else None
+    if not found:
         return
+    calls, dims = found
     signatures = []
     for call in calls:
         func = mod[call.args[0]]
         pattern = int(func.attrs["op_pattern"]) if func.attrs and "op_pattern" in func.attrs else None
         if is_reduce_subgraph(func):
             rows = max((_shape(a) for a in call.args[1].fields if _shape(a) is not None), key=len, default=None)
-            signatures.append((rows, _type_shape(call.ty_args[0])))
+            signatures.append(tuple(tuple(substitute(d, dims) for d in shape) if shape else shape
+                                    for shape in (rows, _type_shape(call.ty_args[0]))))
         elif pattern is None or pattern > ELEMENTWISE:
             return
     if any(not _same(s[0], signatures[0][0]) or not _same(s[1], signatures[0][1]) for s in signatures):
@@ -179,20 +190,34 @@ def _groups(mod: tvm.IRModule, block: relax.DataflowBlock, used_after: set) -> t
 def _inline(mod, member: _Node, subst: dict, bindings: list) -> None:
     """Append `member`'s kernel calls to `bindings`, its inputs replaced through `subst`."""
     value = member.binding.value
+    _, dims = _kernel_calls(mod, value)
     if value.op.same_as(CALL_TIR):
         steps, result = [(member.binding.var, value)], member.binding.var
-    else:
+    else:  # a FuseOps group: its body, its parameters and symbolic dims replaced by the caller's
         func = mod[value.op]
         for param, arg in zip(func.params, value.args):
             subst[param] = subst.get(arg, arg)
-        steps = [(b.var, b.value) for block in func.body.blocks for b in block.bindings]
-        result = func.body.body
+        steps, result = [(b.var, b.value) for block in func.body.blocks for b in block.bindings], func.body.body
     for var, call in steps:
         args = relax.Tuple([subst.get(a, a) for a in call.args[1].fields])
-        new_call = relax.Call(call.op, [call.args[0], args, *call.args[2:]], call.attrs, call.ty_args)
-        subst[var] = relax.DataflowVar(var.name, var.ty)
+        extra = [relax.ShapeExpr([substitute(v, dims) for v in e.values]) if isinstance(e, relax.ShapeExpr) else e
+                 for e in call.args[2:]]
+        new_call = relax.Call(call.op, [call.args[0], args, *extra], call.attrs, [_retyped(t, dims) for t in call.ty_args])
+        subst[var] = relax.DataflowVar(var.name, _retyped(var.ty, dims))
         bindings.append(relax.VarBinding(subst[var], new_call))
     subst[member.binding.var] = subst[result]
+
+
+def _retyped(ty, dims: dict):
+    """A tensor type with the symbolic dims of `dims` replaced (other types as they are)."""
+    if not dims or not isinstance(ty, relax.TensorType) or ty.shape is None:
+        return ty
+    return relax.TensorType([substitute(d, dims) for d in ty.shape.values], ty.dtype)
+
+
+def _operands(call: relax.Call) -> list:
+    """The Relax values a kernel call reads (not its symbolic dims or output types)."""
+    return list(call.args[1].fields) if call.op.same_as(CALL_TIR) else list(call.args)
 
 
 def _group_function(mod, members: list, outputs: list) -> tuple[relax.Function, list]:
@@ -200,9 +225,8 @@ def _group_function(mod, members: list, outputs: list) -> tuple[relax.Function, 
     inside = {m.binding.var for m in members}
     external: list = []
     for m in members:
-        used = []
-        tvm_ffi.structural_walk(m.binding.value, (relax.Var, used.append), order="pre")
-        external += [v for v in used if v not in inside and v not in external and not isinstance(v, relax.GlobalVar)]
+        external += [v for v in _operands(m.binding.value)
+                     if isinstance(v, relax.Var) and v not in inside and v not in external]
     params = [relax.Var(v.name, v.ty) for v in external]
     subst, bindings = dict(zip(external, params)), []
     for m in members:

@@ -44,7 +44,9 @@ def _shape_bindings(func: tirx.PrimFunc, call: relax.Call) -> dict:
     return bindings
 
 
-def _substitute(expr, bindings: dict):
+def substitute(expr, bindings: dict):
+    """`expr` with the tirx.Vars of `bindings` replaced by their values."""
+
     def replace(var):
         for key, value in bindings.items():
             if key.same_as(var):
@@ -74,7 +76,7 @@ class _DispatchCallSites(PyExprMutator):
         *guarded, (_, fallback) = variants
         expr = relax.SeqExpr([], self._call(call, fallback))
         for condition, gv in reversed(guarded):
-            expr = relax.SeqExpr([], relax.If(relax.prim_value(_substitute(condition, bindings)),
+            expr = relax.SeqExpr([], relax.If(relax.prim_value(substitute(condition, bindings)),
                                               relax.SeqExpr([], self._call(call, gv)), expr))
         return expr.body
 

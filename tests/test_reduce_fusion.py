@@ -1,0 +1,85 @@
+"""Reduce-centric fusion: spelled-out norms become one kernel, round where the model rounds, and
+leave what they do not understand (a matmul) to TVM."""
+
+import shutil
+import warnings
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.runtime.vm import VirtualMachine
+from tvm.support import nvcc
+
+import tvm_ext
+from barriers import divergent_barriers
+from bench import spelled
+from conftest import CUDA_TARGET
+
+KERNELS = {  # ours (TVM's default pipeline, for the record)
+    "rms_norm_llama": 1, "layer_norm_spelled": 1, "softmax_spelled": 1, "layer_norm_gelu": 1,
+    "add_rms_norm": 2,  # the residual sum is still its own kernel: its output is written apart (not done)
+}
+
+
+def kernels(executable) -> list:
+    """Device kernels, an int32 twin counted with its original."""
+    return sorted({k.replace("_i32_kernel", "_kernel") for k in tvm_ext.cuda_kernels(executable)})
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+@pytest.mark.parametrize("shape", [[256, 1024], ["n", 4096]])
+def test_one_kernel_per_spelled_out_pattern(name, shape, capsys):
+    mod = spelled.module(name, shape, "float16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a template falling back to TVM would warn
+        ours = kernels(tvm_ext.build(mod, CUDA_TARGET))
+    theirs = tvm_ext.cuda_kernels(tvm.compile(mod, target=tvm_ext.parse_target(CUDA_TARGET)))
+    with capsys.disabled():
+        print(f"\n  {name} {shape}: tvm_ext {len(ours)} kernel(s), TVM default {len(theirs)}")
+    assert len(ours) == KERNELS[name], ours
+    if name != "layer_norm_gelu":  # TVM already fuses a norm op with what follows it
+        assert len(theirs) > len(ours)
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_numerics_round_where_the_model_rounds(name, dtype, rng):
+    shape = [33, 700]
+    mod = spelled.module(name, shape, dtype)
+    arrays = spelled.inputs(name, shape, dtype, rng)
+    vm = VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())
+    got = vm["main"](*[tvm.runtime.tensor(a) for a in arrays])
+    got = [g.numpy() for g in got] if isinstance(got, (list, tuple)) or hasattr(got, "__len__") and not hasattr(
+        got, "numpy") else [got.numpy()]
+    want = spelled.reference(name, arrays)
+    tolerance = 2e-3 if dtype == "float16" else 1e-5
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.astype("float32"), w, rtol=tolerance, atol=tolerance)
+
+
+def test_a_matmul_is_left_to_tvm_and_the_norm_after_it_still_fuses(rng):
+    bb = relax.BlockBuilder()
+    x, m = relax.Var("x", relax.TensorType([64, 256], "float32")), relax.Var("m", relax.TensorType([256, 512], "float32"))
+    w = relax.Var("w", relax.TensorType([512], "float32"))
+    with bb.function("main", [x, m, w]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, m))
+            out = bb.emit_output(spelled.rms_norm_llama(bb, y, w))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    names = kernels(tvm_ext.build(mod, CUDA_TARGET))
+    assert len(names) == 2 and sum("matmul" in k for k in names) == 1, names
+    xs, ms, ws = (rng.standard_normal(s).astype("float32") for s in ([64, 256], [256, 512], [512]))
+    got = VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())["main"](*map(tvm.runtime.tensor, (xs, ms, ws))).numpy()
+    y = xs @ ms
+    np.testing.assert_allclose(got, y / np.sqrt((y ** 2).mean(-1, keepdims=True) + spelled.EPS) * ws, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_fused_kernels_compile_and_keep_barriers_out_of_divergent_branches(name):
+    src = tvm_ext.cuda_source(tvm_ext.build(spelled.module(name, [512, 2048], "bfloat16"), CUDA_TARGET))
+    assert divergent_barriers(src) == []
+    if shutil.which("nvcc"):
+        with tvm_ext.parse_target(CUDA_TARGET):
+            assert len(nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")) > 1000
