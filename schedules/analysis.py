@@ -164,6 +164,18 @@ def _widen_union_reads(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     return func.with_body(body) if widened else None
 
 
+def _share_loops(sch: s_tir.Schedule, infos: list) -> bool:
+    """Put blocks that each work on every element (a residual sum written beside the normed
+    value) under one loop nest, the last one's: the templates then schedule them as one epilogue."""
+    try:
+        nests = [sch.get_loops(info.block_rv) for info in infos]
+        for depth in range(len(nests[-1])):
+            sch.merge(*[nest[depth] for nest in nests])
+    except (tvm.TVMError, ValueError):  # loops of different extents or nesting: not one epilogue
+        return False
+    return True
+
+
 def match(func: tirx.PrimFunc) -> ReducePattern | None:
     """Match `func` as a fused reduce subgraph, or return None (then another rule must serve it)."""
     sch = s_tir.Schedule(func)
@@ -190,8 +202,10 @@ def match(func: tirx.PrimFunc) -> ReducePattern | None:
     if any(not info.is_injective() or info.dom_kind() not in (row_kind, "S" * len(kind)) for info in tail):
         return None
     *row_outputs, epilogue = tail or [None]
-    if any(info.dom_kind() != row_kind for info in row_outputs):
-        return None  # only the last block may work on every element
+    element_outputs = [info for info in row_outputs if info.dom_kind() != row_kind]
+    if element_outputs and not _share_loops(sch, element_outputs + [epilogue]):
+        return None
+    row_outputs = [info for info in row_outputs if info.dom_kind() == row_kind]
     layout = _layout_of(sch, head[0])
     if layout is None:
         return None

@@ -107,10 +107,9 @@ def _classify(mod: tvm.IRModule, node: _Node) -> None:
 class _Groups:
     """Union-find of nodes with each group's signature; merges only what keeps the graph acyclic."""
 
-    def __init__(self, nodes: list, escaping: set):
+    def __init__(self, nodes: list):
         self.nodes, self.parent = nodes, list(range(len(nodes)))
         self.signature = {n.index: n.signature for n in nodes}
-        self.escaping = escaping  # nodes whose value is also needed outside any group
 
     def find(self, i: int) -> int:
         while self.parent[i] != i:
@@ -152,10 +151,6 @@ class _Groups:
         sa, sb = self.signature[a], self.signature[b]
         if a == b or (sa is None and sb is None):  # elementwise with elementwise is FuseOps' business
             return False
-        if sa is None and any(n.index in self.escaping for n in self.members(a)):
-            # an elementwise prologue that is also an output (a residual sum) would have to be
-            # written from inside the row loop; the templates do not do that yet: it stays apart
-            return False
         if sa is not None and sb is not None and not (_same(sa[0], sb[0]) and _same(sa[1], sb[1])):
             return False
         signature = sa or sb
@@ -166,7 +161,7 @@ class _Groups:
         return True
 
 
-def _groups(mod: tvm.IRModule, block: relax.DataflowBlock, used_after: set) -> tuple[list, _Groups]:
+def _groups(mod: tvm.IRModule, block: relax.DataflowBlock) -> tuple[list, _Groups]:
     nodes = [_Node(i, b) for i, b in enumerate(block.bindings)]
     defined = {n.binding.var: n.index for n in nodes}
     for node in nodes:
@@ -174,9 +169,7 @@ def _groups(mod: tvm.IRModule, block: relax.DataflowBlock, used_after: set) -> t
         tvm_ffi.structural_walk(node.binding.value, (relax.Var, used.append), order="pre")
         node.inputs = {defined[v] for v in used if v in defined}
         _classify(mod, node)
-    escaping = {n.index for n in nodes if n.binding.var in used_after}
-    escaping |= {i for n in nodes if not n.mergeable for i in n.inputs}
-    groups = _Groups(nodes, escaping)
+    groups = _Groups(nodes)
     changed = True
     while changed:  # to a fixpoint: a producer may become mergeable once its consumer joined a group
         changed = False
@@ -208,6 +201,11 @@ def _inline(mod, member: _Node, subst: dict, bindings: list) -> None:
     subst[member.binding.var] = subst[result]
 
 
+def _writes_elements(mod, member: _Node) -> bool:
+    """A lone elementwise kernel (cheap to compute twice); not a reduction or a FuseOps group."""
+    return member.signature is None and member.binding.value.op.same_as(CALL_TIR)
+
+
 def _retyped(ty, dims: dict):
     """A tensor type with the symbolic dims of `dims` replaced (other types as they are)."""
     if not dims or not isinstance(ty, relax.TensorType) or ty.shape is None:
@@ -231,6 +229,14 @@ def _group_function(mod, members: list, outputs: list) -> tuple[relax.Function, 
     subst, bindings = dict(zip(external, params)), []
     for m in members:
         _inline(mod, m, subst, bindings)
+    read_inside = {v for m in members for v in _operands(m.binding.value)}
+    for v in outputs:
+        if v in read_inside and _writes_elements(mod, next(m for m in members if m.binding.var.same_as(v))):
+            # also an input of the chain (a residual sum): computed twice, so that the copy the
+            # chain reads inlines into it and the output is written by the last loop nest
+            bindings.append(relax.VarBinding(relax.DataflowVar(v.name, subst[v].ty), bindings[
+                next(i for i, b in enumerate(bindings) if b.var.same_as(subst[v]))].value))
+            subst[v] = bindings[-1].var
     results = [subst[v] for v in outputs]
     if len(results) == 1:
         out = relax.Var("gv", results[0].ty)
@@ -244,7 +250,7 @@ def _group_function(mod, members: list, outputs: list) -> tuple[relax.Function, 
 
 
 def _rewrite_block(builder: relax.BlockBuilder, mod, block, used_after: set):
-    nodes, groups = _groups(mod, block, used_after)
+    nodes, groups = _groups(mod, block)
     by_root: dict = {}
     for n in nodes:
         by_root.setdefault(groups.find(n.index), []).append(n)
