@@ -82,3 +82,21 @@ def test_fused_kernels_compile_and_keep_barriers_out_of_divergent_branches(name)
     if shutil.which("nvcc"):
         with tvm_ext.parse_target(CUDA_TARGET):
             assert len(nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")) > 1000
+
+
+def test_reductions_over_other_axes_are_not_merged(rng):
+    """LayerNorm over rows, then softmax over columns of the square result: two kernels, right numbers."""
+    bb = relax.BlockBuilder()
+    x, g, b = (relax.Var(n, relax.TensorType(s, "float32")) for n, s in (("x", [256, 256]), ("g", [256]), ("b", [256])))
+    with bb.function("main", [x, g, b]):
+        with bb.dataflow():
+            h = bb.emit(relax.op.nn.layer_norm(x, g, b, axes=[-1], epsilon=spelled.EPS))
+            out = bb.emit_output(relax.op.nn.softmax(h, axis=0))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    assert len(kernels(tvm_ext.build(mod, CUDA_TARGET))) == 2
+    xs, gs, bs = (rng.standard_normal(s).astype("float32") for s in ([256, 256], [256], [256]))
+    got = VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())["main"](*map(tvm.runtime.tensor, (xs, gs, bs))).numpy()
+    h = (xs - xs.mean(-1, keepdims=True)) / np.sqrt(xs.var(-1, keepdims=True) + spelled.EPS) * gs + bs
+    e = np.exp(h - h.max(0, keepdims=True))
+    np.testing.assert_allclose(got, e / e.sum(0, keepdims=True), rtol=1e-4, atol=1e-6)

@@ -151,8 +151,9 @@ class _Groups:
         sa, sb = self.signature[a], self.signature[b]
         if a == b or (sa is None and sb is None):  # elementwise with elementwise is FuseOps' business
             return False
-        if sa is not None and sb is not None and not (_same(sa[0], sb[0]) and _same(sa[1], sb[1])):
-            return False
+        if sa is not None and sb is not None and (not (_same(sa[0], sb[0]) and _same(sa[1], sb[1]))
+                                                  or _same(sa[0], sa[1])):
+            return False  # a whole norm op (rows in, rows out) hides its axes: it takes elementwise work only
         signature = sa or sb
         if not self._fits(signature, self.members(a) + self.members(b)) or self._detour(a, b):
             return False
