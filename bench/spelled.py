@@ -43,6 +43,12 @@ def add_rms_norm(bb, x, residual, w):
     return relax.Tuple([h, bb.emit(rms_norm_llama(bb, h, w))])
 
 
+def rms_norm_silu(bb, x, w):
+    """SiLU after the LLaMA RMSNorm (an activation the norm's kernel must absorb)."""
+    y = bb.emit(rms_norm_llama(bb, x, w))
+    return op.multiply(y, op.sigmoid(y))
+
+
 def layer_norm_gelu(bb, x, w, b):
     return op.nn.gelu(op.nn.layer_norm(x, w, b, axes=[-1], epsilon=EPS))
 
@@ -85,6 +91,7 @@ PATTERNS = {
     "add_rms_norm": (add_rms_norm, "rw", lambda x, r, w: [_round(x.astype("float32") + r, x.dtype), _rms_ref(
         _round(x.astype("float32") + r, x.dtype).astype(x.dtype), w)]),
     "layer_norm_gelu": (layer_norm_gelu, "wb", _gelu_ln_ref),
+    "rms_norm_silu": (rms_norm_silu, "w", lambda x, w: _round(_rms_ref(x, w) / (1 + np.exp(-_rms_ref(x, w))), x.dtype)),
 }
 
 
