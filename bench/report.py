@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import sys
 
-IMPLS = ["ours", "ours_tuned", "ours_int64", "ours_welford", "ours_two_pass", "ours_one_pass", "torch_eager",
-         "torch_compile", "tvm_dlight"]
+IMPLS = ["ours", "ours_tuned", "ours_int64", "ours_static", "ours_welford", "ours_two_pass", "ours_one_pass",
+         "ours_spelled", "torch_eager", "torch_compile", "tvm_dlight", "torch_eager_spelled", "torch_compile_spelled",
+         "tvm_dlight_spelled"]
 
 
 def _label(row) -> str:
@@ -31,9 +32,11 @@ def markdown(result: dict) -> str:
             "once / time); speed-up = their time / our time (>1: we are faster); err = max abs error of ours vs "
             "PyTorch eager.\n\n")
     strategies = any("strategy" in r for r in result["rows"])
+    spelled = "ours_spelled" in impls  # a spelled-out pattern beside the single op: its own two ratios
     cols = ["case", "ours us"] + [f"{i} GB/s" for i in impls] + [
         "vs torch.compile", "vs dlight", "ours % of copy", "ours err", "kernels ours/dlight"] + (
-        ["strategy"] if strategies else [])
+        ["spelled: single op / spelled", "spelled vs torch.compile (spelled)", "kernels spelled ours/dlight"]
+        if spelled else []) + (["strategy"] if strategies else [])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for label, by_impl in _grouped(result).items():
         ours = by_impl.get("ours", {})
@@ -45,9 +48,14 @@ def markdown(result: dict) -> str:
         err = f"{ours['max_abs_err']:.2g}" if "max_abs_err" in ours else "-"
         kern = f"{ours.get('kernels', '-')}/{by_impl.get('tvm_dlight', {}).get('kernels', '-')}"
         us = f"{ours['us']:.1f}" if "us" in ours else "fail"
+        ratio = lambda a, b: (f"{by_impl[a]['us'] / by_impl[b]['us']:.2f}x"  # noqa: E731
+                              if "us" in by_impl.get(a, {}) and "us" in by_impl.get(b, {}) else "-")
+        spelled_cols = [ratio("ours", "ours_spelled"), ratio("torch_compile_spelled", "ours_spelled"),
+                        f"{by_impl.get('ours_spelled', {}).get('kernels', '-')}/"
+                        f"{by_impl.get('tvm_dlight_spelled', {}).get('kernels', '-')}"] if spelled else []
         extra = [ours.get("strategy", "-")] if strategies else []
         lines.append("| " + " | ".join([label, us] + gbps + [speed("torch_compile"), speed("tvm_dlight"), pct, err,
-                                                              kern] + extra) + " |")
+                                                              kern] + spelled_cols + extra) + " |")
     return head + "\n".join(lines) + "\n"
 
 

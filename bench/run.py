@@ -27,6 +27,7 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from bench import spelled
 from bench.report import write_reports
 from bench.suite import EPS, concrete_shape, effective_bytes, input_shapes, load_suite, relax_module
 
@@ -50,6 +51,27 @@ def torch_fn(op: str):
     if op == "full_sum":
         return lambda x: x.sum()
     raise ValueError(op)
+
+
+SPELLED = {"rms_norm": "rms_norm_llama", "layer_norm": "layer_norm_spelled", "softmax": "softmax_spelled"}
+
+
+def torch_spelled_fn(op: str):
+    """The same op as PyTorch code spells it out (bench/spelled.py has the Relax twin)."""
+    eps = spelled.EPS
+    if op == "layer_norm":
+        def layer_norm(x, w, b):
+            xf = x.float()
+            centred = xf - xf.mean(-1, keepdim=True)
+            y = centred / torch.sqrt((centred * centred).mean(-1, keepdim=True) + eps)
+            return y.to(x.dtype) * w + b
+        return layer_norm
+    if op == "softmax":
+        def softmax(x):
+            e = torch.exp(x - x.max(-1, keepdim=True)[0])
+            return e / e.sum(-1, keepdim=True)
+        return softmax
+    return lambda x, w: (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
 
 def as_tuple(out):
@@ -86,7 +108,7 @@ def copy_gbps() -> float:
 STATISTICS_OPS = ("layer_norm", "bn_stats")  # the ops whose variance algorithm is a build option
 
 
-def run_case(case: dict, database, log, variance_algorithms=(), int64=False) -> list[dict]:
+def run_case(case: dict, database, log, variance_algorithms=(), int64=False, spelled_out=False) -> list[dict]:
     op, dtype, shape = case["op"], case["dtype"], case["shape"]
     mod = relax_module(op, shape, dtype)
     t0 = time.time()
@@ -96,6 +118,10 @@ def run_case(case: dict, database, log, variance_algorithms=(), int64=False) -> 
         builders["ours_tuned"] = lambda: tvm_ext.build(mod, "cuda", database=database)
     if int64:  # our kernels without tvm_ext's index narrowing (TVM's own static narrowing stays)
         builders["ours_int64"] = lambda: tvm_ext.build(mod, "cuda", narrow_index=False)
+    if spelled_out and op in SPELLED:  # the op as models spell it: one kernel after reduce fusion?
+        spelled_mod = spelled.module(SPELLED[op], shape, dtype)
+        builders["ours_spelled"] = lambda: tvm_ext.build(spelled_mod, "cuda")
+        builders["tvm_dlight_spelled"] = lambda: tvm.compile(spelled_mod, target=tvm_ext.parse_target("cuda"))
     for algorithm in variance_algorithms if op in STATISTICS_OPS else ():
         builders[f"ours_{algorithm}"] = lambda a=algorithm: tvm_ext.build(mod, "cuda", variance=a)
     built, failed = {}, {}
@@ -115,6 +141,9 @@ def run_case(case: dict, database, log, variance_algorithms=(), int64=False) -> 
     # 2026-11-21's last run: ln-dyn from n=77 on timed eager under the torch_compile label)
     torch._dynamo.reset()  # pylint: disable=protected-access
     impls["torch_compile"] = torch.compile(torch_fn(op), dynamic=False)
+    if spelled_out and op in SPELLED:
+        impls["torch_eager_spelled"] = torch_spelled_fn(op)
+        impls["torch_compile_spelled"] = torch.compile(torch_spelled_fn(op), dynamic=False)
     log(f"  built in {time.time() - t0:.1f}s")
 
     dyn = case.get("dynamic") or {}
@@ -163,6 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="")
     ap.add_argument("--variance", default="", help="comma-separated variance algorithms to add as ours_<name> rows "
                                                    "on LayerNorm and batch-statistics cases (welford,two_pass,one_pass)")
+    ap.add_argument("--spelled", action="store_true", help="add the norms and softmax as models spell them out "
+                    "(bench/spelled.py): ours, dlight, torch eager and torch.compile on that code")
     ap.add_argument("--int64", action="store_true", help="add ours_int64 rows: built without index narrowing "
                     "(and, for symbolic cases, ours_static rows: each point built with static shapes)")
     args = ap.parse_args(argv)
@@ -182,7 +213,8 @@ def main(argv=None) -> int:
     stem = os.path.join(args.out, f"{slug}-{result['date']}{'-' + args.tag if args.tag else ''}")
     for case in tqdm(cases, desc="suite", file=sys.stdout):
         log(case["id"])
-        result["rows"] += run_case(case, args.database, log, [a for a in args.variance.split(",") if a], args.int64)
+        result["rows"] += run_case(case, args.database, log, [a for a in args.variance.split(",") if a], args.int64,
+                                   args.spelled)
         with open(stem + ".json", "w", encoding="utf-8") as f:  # after every case: a cut-off run keeps its rows
             json.dump(result, f, indent=1)
     print(write_reports(stem + ".json"))
