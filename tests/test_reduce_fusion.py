@@ -101,3 +101,20 @@ def test_reductions_over_other_axes_are_not_merged(rng):
     h = (xs - xs.mean(-1, keepdims=True)) / np.sqrt(xs.var(-1, keepdims=True) + spelled.EPS) * gs + bs
     e = np.exp(h - h.max(0, keepdims=True))
     np.testing.assert_allclose(got, e / e.sum(0, keepdims=True), rtol=1e-4, atol=1e-6)
+
+
+def test_a_weight_held_as_a_constant_is_passed_in(rng):
+    """Imported models hold weights as tensor constants, which FuseTIR refuses inside a group."""
+    weight = rng.random(512).astype("float32") + 0.5
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([64, 512], "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(spelled.rms_norm_llama(bb, x, relax.const(weight)))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    assert len(kernels(tvm_ext.build(mod, CUDA_TARGET))) == 1
+    xs = rng.standard_normal((64, 512)).astype("float32")
+    got = VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(xs)).numpy()
+    np.testing.assert_allclose(got, xs / np.sqrt((xs ** 2).mean(-1, keepdims=True) + spelled.EPS) * weight,
+                               rtol=1e-5, atol=1e-6)

@@ -223,10 +223,10 @@ def _group_function(mod, members: list, outputs: list) -> tuple[relax.Function, 
     """(the Primitive function computing `members`, the outside values it takes)."""
     inside = {m.binding.var for m in members}
     external: list = []
-    for m in members:
-        external += [v for v in _operands(m.binding.value)
-                     if isinstance(v, relax.Var) and v not in inside and v not in external]
-    params = [relax.Var(v.name, v.ty) for v in external]
+    for m in members:  # tensor constants too: FuseTIR accepts none inside a primitive function
+        external += [v for v in _operands(m.binding.value) if isinstance(v, (relax.Var, tvm.ir.expr.GenericConst))
+                     and v not in inside and not any(v.same_as(e) for e in external)]
+    params = [relax.Var(v.name if isinstance(v, relax.Var) else f"const{i}", v.ty) for i, v in enumerate(external)]
     subst, bindings = dict(zip(external, params)), []
     for m in members:
         _inline(mod, m, subst, bindings)
