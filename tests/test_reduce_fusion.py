@@ -118,3 +118,29 @@ def test_a_weight_held_as_a_constant_is_passed_in(rng):
     got = VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(xs)).numpy()
     np.testing.assert_allclose(got, xs / np.sqrt((xs ** 2).mean(-1, keepdims=True) + spelled.EPS) * weight,
                                rtol=1e-5, atol=1e-6)
+
+
+def top1_softmax(use_indices: bool):
+    """softmax with the max spelled as PyTorch's frontend imports x.max(-1, keepdim=True)[0]."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([64, 1000], "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            top = bb.emit(relax.op.topk(x, k=1, axis=-1, ret_type="both", largest=True, dtype="int64"))
+            values = bb.emit(relax.TupleGetItem(top, 0))
+            e = bb.emit(relax.op.exp(relax.op.subtract(x, values)))
+            y = relax.op.divide(e, relax.op.sum(e, axis=[-1], keepdims=True))
+            out = bb.emit_output(relax.Tuple([y, relax.TupleGetItem(top, 1)]) if use_indices else y)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_a_top1_sort_read_for_its_values_is_a_max_and_fuses(rng):
+    mod = top1_softmax(use_indices=False)
+    assert kernels(tvm_ext.build(mod, CUDA_TARGET)) == ["fused_max_subtract_tir_exp_sum_divide_kernel"]
+    xs = rng.standard_normal((64, 1000)).astype("float32")
+    got = VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(xs)).numpy()
+    e = np.exp(xs - xs.max(-1, keepdims=True))
+    np.testing.assert_allclose(got, e / e.sum(-1, keepdims=True), rtol=1e-5, atol=1e-7)
+    with_indices = kernels(tvm_ext.build(top1_softmax(use_indices=True), CUDA_TARGET))
+    assert any("topk" in k for k in with_indices)  # the indices are used: the sort stays

@@ -28,7 +28,7 @@ from . import welford
 from .legalize import legalizations
 from .narrowing import narrow_indices
 from .records import Database
-from .reduce_fusion import FuseReduceGroups
+from .reduce_fusion import FuseReduceGroups, max_from_top_one
 from .variants import rewrite_call_sites
 
 PIPELINE = "tvm_ext"
@@ -92,11 +92,13 @@ def _check_lowers(func: tirx.PrimFunc, name: str, target: Target) -> None:
     lower(tvm.IRModule({name: func.with_attr("global_symbol", name).with_attr("target", target)}))
 
 
-def fusion_passes(**options) -> list:
-    """Legalize and fuse: what every fused PrimFunc the schedules see has been through."""
+def fused_passes(target, **options) -> list:
+    """Everything up to the fused PrimFuncs the schedules see: top-1 sorts that are maxima made
+    maxima (before the library dispatch turns them into sort kernels), library dispatch, the
+    pairing of mean with variance (Welford), legalization, and fusion (FuseOps, then ours)."""
     variance = options.get("variance", "welford")
     statistics = [welford.pair_mean_with_variance] if variance == "welford" else []
-    return statistics + [
+    return [max_from_top_one] + relax.pipeline.library_dispatch_passes(target) + statistics + [
         relax.transform.LegalizeOps(customize_legalize_map=legalizations(variance)),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
@@ -109,7 +111,7 @@ def fusion_passes(**options) -> list:
 def fused_module(mod: tvm.IRModule, target, **options) -> tvm.IRModule:
     """`mod` legalized and fused as the pipeline does it, before any scheduling."""
     with target:
-        return tvm.transform.Sequential(relax.pipeline.library_dispatch_passes(target) + fusion_passes(**options))(mod)
+        return tvm.transform.Sequential(fused_passes(target, **options))(mod)
 
 
 def fused_reduce_functions(mod: tvm.IRModule, target, **options) -> dict:
@@ -140,7 +142,7 @@ def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **opt
         target = Target.current()
         if target is None:
             raise ValueError("the tvm_ext pipeline needs a target: run it inside `with target:` or via tvm_ext.build")
-        passes = relax.pipeline.library_dispatch_passes(target) + fusion_passes(**options) + [
+        passes = fused_passes(target, **options) + [
             # relax.pipeline.dataflow_lower_passes(llvm) raises in 0.27; these are its passes, with
             # scheduling moved after ToNonDataflow so that kernel variants can be chosen by an `if`
             relax.transform.RewriteDataflowReshape(),

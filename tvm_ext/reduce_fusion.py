@@ -33,6 +33,7 @@ from schedules.analysis import is_reduce_subgraph
 from .variants import substitute
 
 CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+TOPK = tvm.ir.Op.get("relax.topk")
 ELEMENTWISE = 1  # op_pattern: 0 elementwise, 1 broadcast
 
 
@@ -296,6 +297,12 @@ def _topological(nodes, groups, fused, emitted) -> list:
     return order
 
 
+def _with_blocks(func: relax.Function, blocks: list) -> relax.Function:
+    """`func` with its body's binding blocks replaced."""
+    return relax.Function(func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty, func.is_pure,
+                          func.attrs, func.span)
+
+
 def _name(mod, node: _Node) -> str:
     value = node.binding.value
     target = value.args[0] if value.op.same_as(CALL_TIR) else value.op
@@ -326,7 +333,69 @@ class FuseReduceGroups:
                 used_after = {v for v in after} | {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
                 new_blocks.append(_rewrite_block(builder, mod, block, used_after))
             if any(a is not b for a, b in zip(new_blocks, blocks)):
-                body = relax.SeqExpr(new_blocks, func.body.body)
-                builder.update_func(gv, relax.Function(func.params, body, func.ret_ty, func.is_pure,
-                                                       func.attrs, func.span))
+                builder.update_func(gv, _with_blocks(func, new_blocks))
         return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(builder.get()))
+
+
+@tvm.transform.module_pass(opt_level=0, name="TVMExtMaxFromTopOne")
+def max_from_top_one(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """`x.max(-1, keepdim=True)[0]` in PyTorch reaches Relax as a top-1 sort (TVM's frontend maps
+    max-with-indices to topk): where only the values are used, it becomes the max (min) reduction
+    it is, which legalizes to one reduction and fuses (a spelled-out softmax: 1 kernel, not 7)."""
+    mod = relax.transform.DeadCodeElimination()(relax.transform.CanonicalizeBindings()(_forward_tuple_items(mod)))
+    builder = relax.BlockBuilder(mod)
+    for gv, func in list(mod.functions_items()):
+        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
+            continue
+        bindings = [b for block in func.body.blocks for b in block.bindings]
+        tops = {b.var: b.value for b in bindings if isinstance(b.value, relax.Call) and b.value.op.same_as(TOPK)
+                and int(b.value.attrs.k) == 1}
+        values_only = {v for v in tops if _only_values_read(v, bindings, func.body.body)}
+        if not values_only:
+            continue
+        reduce_op = {True: relax.op.max, False: relax.op.min}
+
+        def rewrite(b):
+            value = b.value
+            if isinstance(value, relax.TupleGetItem) and value.tuple_value in values_only:
+                top = tops[value.tuple_value]
+                return relax.VarBinding(b.var, reduce_op[bool(top.attrs.largest)](
+                    top.args[0], axis=[int(top.attrs.axis)], keepdims=True))
+            return b
+
+        blocks = [type(block)([rewrite(b) for b in block.bindings]) for block in func.body.blocks]
+        builder.update_func(gv, _with_blocks(func, blocks))
+    return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(builder.get()))
+
+
+def _forward_tuple_items(mod: tvm.IRModule) -> tvm.IRModule:
+    """`t = (a, b); u = t[0]` -> `u = a` (the frontend rebuilds topk's tuple before reading it),
+    so that a value read of the topk shows as one."""
+    builder = relax.BlockBuilder(mod)
+    for gv, func in list(mod.functions_items()):
+        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
+            continue
+        literals = {b.var: b.value for block in func.body.blocks for b in block.bindings
+                    if isinstance(b.value, relax.Tuple)}
+
+        def forward(b):
+            value = b.value
+            if isinstance(value, relax.TupleGetItem) and value.tuple_value in literals:
+                return relax.VarBinding(b.var, literals[value.tuple_value].fields[value.index])
+            return b
+
+        blocks = [type(block)([forward(b) for b in block.bindings]) for block in func.body.blocks]
+        builder.update_func(gv, _with_blocks(func, blocks))
+    return builder.get()
+
+
+def _only_values_read(var, bindings, result) -> bool:
+    """Whether `var` (a topk's tuple) is read only as element 0 (the values, not the indices)."""
+    reads, value_reads = [], []
+    for b in bindings:
+        tvm_ffi.structural_walk(b.value, (relax.Var, lambda v: reads.append(v) if v.same_as(var) else None),
+                                order="pre")
+        if isinstance(b.value, relax.TupleGetItem) and b.value.tuple_value.same_as(var) and b.value.index == 0:
+            value_reads.append(b)
+    tvm_ffi.structural_walk(result, (relax.Var, lambda v: reads.append(v) if v.same_as(var) else None), order="pre")
+    return bool(value_reads) and len(reads) == len(value_reads)
