@@ -144,3 +144,23 @@ def test_a_top1_sort_read_for_its_values_is_a_max_and_fuses(rng):
     np.testing.assert_allclose(got, e / e.sum(-1, keepdims=True), rtol=1e-5, atol=1e-7)
     with_indices = kernels(tvm_ext.build(top1_softmax(use_indices=True), CUDA_TARGET))
     assert any("topk" in k for k in with_indices)  # the indices are used: the sort stays
+
+
+SINGLE_OP = {"rms_norm": "rms_norm_llama", "layer_norm": "layer_norm_spelled", "softmax": "softmax_spelled"}
+
+
+def test_spelled_forms_get_the_single_ops_schedules_on_the_suite():
+    """What lets a spelled-out norm run as fast as the op: the same strategy and knobs on every shape."""
+    from bench.suite import load_suite, relax_module  # noqa: PLC0415
+
+    import schedules  # noqa: PLC0415
+    from tvm_ext.pipeline import fused_reduce_functions  # noqa: PLC0415
+
+    target = tvm_ext.parse_target({"tag": "nvidia/nvidia-h100", "arch": "sm_90"})
+    plans = lambda mod: [k for f in fused_reduce_functions(mod, target).values()  # noqa: E731
+                         for _, k in schedules.plan(f, target)]
+    cases = [c for c in load_suite() if c["op"] in SINGLE_OP]
+    assert len(cases) == 17
+    for case in cases:
+        op = plans(relax_module(case["op"], case["shape"], case["dtype"]))
+        assert op and op == plans(spelled.module(SINGLE_OP[case["op"]], case["shape"], case["dtype"])), case["id"]
