@@ -1,0 +1,88 @@
+"""Thread-level matmul template: the plain CUDA schedule the auto-tensorization pass recognises.
+
+`C[i, j] += cast(A[i, k]) * cast(B[k, j])` (fp16/bf16 in, fp32 out; int8 in, int32 out) is tiled
+as the PAI paper's schedule writer would: a block computes a `block_m x block_n` tile, its warps
+(`threadIdx.y`) split the rows into warp tiles of `warp_m` rows, and within a warp each lane
+(`threadIdx.x`, 32 of them) owns `thread_n` adjacent columns of every row of the warp tile. So a
+warp covers a `warp_m x 32 * thread_n` region of C: whole 16x16 tiles when `warp_m` is a multiple
+of 16 and 32 * thread_n of 16 — the mapping the pass relies on when it hands the region to one
+warp-wide mma. A and B pass through shared memory (`block_k` columns of A and rows of B per step,
+fetched by all threads together) and registers; C accumulates in registers.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+
+NAME = "matmul"
+WARP = 32
+LOW_PRECISION = {"float16": "float32", "bfloat16": "float32", "int8": "int32"}
+
+
+def contraction(func: tirx.PrimFunc):
+    """(Schedule, block) of a PrimFunc that is one `C[i, j] += cast(A[i, k]) * cast(B[k, j])`
+    with low-precision inputs and a wider accumulator, else None."""
+    sch = s_tir.Schedule(func)
+    blocks = sch.get_child_blocks(sch.get_sblock("root")) if _has_root(sch) else []
+    if len(blocks) != 1:
+        return None
+    block = sch.get(blocks[0])
+    if [iv.iter_type for iv in block.iter_vars] != [tirx.IterVar.DataPar, tirx.IterVar.DataPar,
+                                                     tirx.IterVar.CommReduce]:
+        return None
+    store = block.body
+    if not isinstance(store, tirx.BufferStore) or not isinstance(store.value, tirx.Add):
+        return None
+    product = store.value.b
+    if not isinstance(product, tirx.Mul) or not all(isinstance(x, tirx.Cast) for x in (product.a, product.b)):
+        return None
+    in_dtype = str(product.a.value.ty.dtype) if hasattr(product.a.value, "ty") else None
+    if LOW_PRECISION.get(in_dtype) != str(store.buffer.dtype):
+        return None
+    return sch, blocks[0]
+
+
+def _has_root(sch) -> bool:
+    try:
+        sch.get_sblock("root")
+    except Exception:  # a function without the root block is not ours
+        return False
+    return True
+
+
+def default_knobs(m: int, n: int) -> dict:
+    """64 x 64 tiles of 2 warps (16-row warp tiles would give 4: fewer accumulators per thread)."""
+    return {"strategy": NAME, "block_m": 64, "block_n": 64, "block_k": 16, "warp_m": 16, "thread_n": 2}
+
+
+def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
+    found = contraction(func)
+    if found is None:
+        return None
+    sch, block = found
+    bm, bn, bk = int(knobs["block_m"]), int(knobs["block_n"]), int(knobs["block_k"])
+    wm, tn = int(knobs["warp_m"]), int(knobs["thread_n"])
+    m, n, k = (int(x.dom.extent) for x in sch.get(block).iter_vars)
+    if bm % wm or bn != WARP * tn or m % bm or n % bn or k % bk:
+        return None  # tiles must divide the problem and the warp must span the block's columns
+    warps = bm // wm
+    i, j, kk = sch.get_loops(block)
+    bi, ty, ii = sch.split(i, [None, warps, wm])
+    bj, tx, jj = sch.split(j, [None, WARP, tn])
+    ko, ki = sch.split(kk, [None, bk])
+    sch.reorder(bi, bj, ty, tx, ko, ki, ii, jj)
+    sch.bind(bi, "blockIdx.y")
+    sch.bind(bj, "blockIdx.x")
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    sch.reverse_compute_at(sch.cache_write(block, 0, "local"), tx)
+    for index in (0, 1):  # A, then B: through shared memory (all threads fetch), then registers
+        shared = sch.cache_read(block, index, "shared")
+        sch.compute_at(shared, ko)
+        fused = sch.fuse(*sch.get_loops(shared)[-2:])
+        _, y, x = sch.split(fused, [None, warps, WARP])
+        sch.bind(y, "threadIdx.y")
+        sch.bind(x, "threadIdx.x")
+        sch.compute_at(sch.cache_read(block, index, "local"), ki)
+    sch.decompose_reduction(block, ko)
+    return sch

@@ -1,0 +1,91 @@
+"""Auto-tensorization, steps 1-2: what a warp computes in the thread-level matmul template."""
+
+import logging
+import shutil
+
+import pytest
+import tvm
+from tvm import relax, te
+from tvm.support import nvcc
+
+import tvm_ext
+from conftest import CUDA_TARGET
+from schedules import matmul
+from tvm_ext.tensorize import infer_fragments, match_mma
+
+
+def legalized_matmul(m, n, k, dtype="float16", out="float32"):
+    bb = relax.BlockBuilder()
+    a, b = relax.Var("a", relax.TensorType([m, k], dtype)), relax.Var("b", relax.TensorType([k, n], dtype))
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            out_var = bb.emit_output(relax.op.matmul(a, b, out_dtype=out))
+        bb.emit_func_output(out_var)
+    mod = relax.transform.LegalizeOps()(bb.get())
+    return next(f for gv, f in mod.functions_items() if gv.name_hint != "main")
+
+
+def linear(m, n, k):
+    """C = A @ W^T with W stored [n, k], as torch.nn.Linear keeps it."""
+    a, w = te.placeholder((m, k), "float16", name="a"), te.placeholder((n, k), "float16", name="w")
+    r = te.reduce_axis((0, k), name="k")
+    c = te.compute((m, n), lambda i, j: te.sum(a[i, r].astype("float32") * w[j, r].astype("float32"), axis=r), name="c")
+    return te.create_prim_func([a, w, c])
+
+
+def scheduled(func, **knobs):
+    sch = matmul.apply(func, {**matmul.default_knobs(0, 0), **knobs})
+    assert sch is not None
+    return sch.mod["main"]
+
+
+def test_the_warp_tile_of_the_template_is_matched():
+    found = match_mma(scheduled(legalized_matmul(256, 512, 128)))
+    assert found is not None and found.warp_tile == (16, 64, 16)  # 16 rows x 32 lanes * 2 columns, 16 of k
+    assert (found.c.scope(), found.a.source.scope(), found.b.source.scope()) == ("local", "local", "local")
+    assert sorted(b.name for b in found.fills) == ["a_shared_local", "b_shared_local"]
+    assert all(blk.reads[0].source.scope() == "shared" for blk in found.fills.values())
+    assert found.drain.writes[0].source.scope() == "global"
+    a, b = infer_fragments(found)
+    assert (a.role, a.layout, a.buffer.name) == ("matrix_a", "row_major", "a_shared_local")
+    assert (b.role, b.layout, b.buffer.name) == ("matrix_b", "row_major", "b_shared_local")
+
+
+def test_a_transposed_weight_is_a_col_major_matrix_b():
+    a, b = infer_fragments(match_mma(scheduled(linear(128, 256, 64))))
+    assert (a.role, a.layout) == ("matrix_a", "row_major") and (b.role, b.layout) == ("matrix_b", "col_major")
+
+
+def test_larger_warp_tiles_and_k_steps():
+    found = match_mma(scheduled(legalized_matmul(256, 512, 128), block_m=128, warp_m=32, thread_n=2, block_k=32))
+    assert found.warp_tile == (32, 64, 32)
+
+
+def test_what_is_not_a_tensor_core_matmul_is_left_alone(caplog):
+    caplog.set_level(logging.DEBUG, logger="tvm_ext.tensorize")
+    assert matmul.apply(legalized_matmul(64, 64, 64, "float32", "float32"), matmul.default_knobs(0, 0)) is None
+    assert match_mma(legalized_matmul(64, 64, 64, "float32", "float32")) is None  # fp32 operands
+    assert match_mma(scheduled(legalized_matmul(256, 512, 128), warp_m=8, block_m=32)) is None
+    assert "warp tile (8, 64, 16)" in caplog.text
+    softmax = tvm_ext.pipeline.fused_reduce_functions(_softmax(), tvm_ext.parse_target(CUDA_TARGET))
+    assert match_mma(next(iter(softmax.values()))) is None
+
+
+def _softmax():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([64, 256], "float16"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.nn.softmax(x))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_the_plain_template_builds_to_cuda_without_tensor_cores():
+    func = scheduled(legalized_matmul(256, 512, 128)).with_attr("global_symbol", "main")
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=tvm_ext.parse_target(CUDA_TARGET))
+    src = lib.mod.imports[0].inspect_source()
+    assert "wmma" not in src and "__shared__" in src and "threadIdx.x" in src
+    if shutil.which("nvcc"):
+        with tvm_ext.parse_target(CUDA_TARGET):
+            assert bytes(nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")[:4]) == b"\x7fELF"
