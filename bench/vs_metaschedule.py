@@ -8,7 +8,8 @@ schedule the same function. MetaSchedule is TVM 0.27's `tvm.s_tir.meta_schedule.
 defaults: evolutionary search guided by the XGBoost cost model ("xgb": `XGBModel`, trained on
 `PerStoreFeature` features; random scores until 100 measurements, its `num_warmup_samples`), local
 builder and runner. Writes `<out>/vs_metaschedule.json` with each task's tuning wall time and the
-library compiled from the best record. Needs `cloudpickle`, `psutil` and `xgboost`. Static shapes only.
+library compiled from the best record; our tuner runs on the same case, and both kernels are checked
+and timed by our runner (`search.measure`). Needs `cloudpickle`, `psutil` and `xgboost`. Static shapes only.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from tvm.target import Target
 
 import tvm_ext
 from bench.suite import SUITE, load_suite, relax_module
+from search.measure import Measurer
 from search.tasks import extract_tasks
+from search.tuner import tune_model
 from tvm_ext import welford
 
 
@@ -74,18 +77,31 @@ def tune_metaschedule(func: tvm.tirx.PrimFunc, target, trials: int, work_dir: st
     return wall, sch.mod
 
 
-def run_case(case: dict, target, trials: int, out: str) -> list[dict]:
-    """Tune every task of one suite case; one result row per task."""
+def run_case(case: dict, target, trials: int, out: str, ours_trials: int) -> list[dict]:
+    """Tune one suite case with MetaSchedule and with our tuner (`ours_trials`), time both kernels
+    with our runner (same reference check, same L2-flushed timer); one row per task."""
     if any(isinstance(d, str) for d in case["shape"]):
         return [{"case": case["id"], "error": "symbolic shape: MetaSchedule tunes static shapes only"}]
+    mod = relax_module(case["op"], case["shape"], case["dtype"])
+    start = time.perf_counter()
+    ours = {r.name: r for r in tune_model(mod, target, ours_trials, os.path.join(out, f"{case['id']}-ours.json"),
+                                          progress=False)}
+    ours_wall = time.perf_counter() - start
     rows = []
-    for task in extract_tasks(relax_module(case["op"], case["shape"], case["dtype"]), target):
+    for task in extract_tasks(mod, target):
         name = f"{case['id']}-{task.name}"
         lib = os.path.abspath(os.path.join(out, f"{name}.so"))
-        wall, mod = tune_metaschedule(task.func, target, trials, os.path.join(out, "work", name), lib)
-        rows.append({"case": case["id"], "task": task.name, "key": task.key, "trials": trials,
-                     "wall_s": round(wall, 3), "lib": lib if mod is not None else None,
-                     **({} if mod is not None else {"error": "no candidate built and ran"})})
+        wall, scheduled = tune_metaschedule(task.func, target, trials, os.path.join(out, "work", name), lib)
+        row = {"case": case["id"], "task": task.name, "key": task.key, "trials": trials, "wall_s": round(wall, 3),
+               "ours_trials": ours[task.name].trials, "ours_wall_s": round(ours_wall, 3),
+               "ours_us": ours[task.name].best_us}
+        if scheduled is None:
+            row["error"] = "no MetaSchedule candidate built and ran"
+        else:
+            with Measurer(tvm_ext.parse_target(target)) as measurer:
+                timed = measurer.time_library(task.func, lib)
+            row.update({"lib": lib, "ms_us": timed.best_us, **({"error": timed.error} if timed.error else {})})
+        rows.append(row)
     return rows
 
 
@@ -93,6 +109,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", required=True, help="comma-separated suite ids")
     ap.add_argument("--trials", type=int, default=1000, help="MetaSchedule trials per task")
+    ap.add_argument("--ours-trials", type=int, default=64, help="our tuner's trials per case")
     ap.add_argument("--out", required=True, help="folder for the libraries, work dirs and vs_metaschedule.json")
     ap.add_argument("--target", default="cuda", help="'cuda' (this GPU), 'llvm', or a target as JSON")
     ap.add_argument("--suite", default=SUITE)
@@ -103,7 +120,7 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown case id(s) {unknown}")
     os.makedirs(args.out, exist_ok=True)
-    rows = [row for i in args.cases.split(",") for row in run_case(suite[i], target, args.trials, args.out)]
+    rows = [row for i in args.cases.split(",") for row in run_case(suite[i], target, args.trials, args.out, args.ours_trials)]
     report = os.path.join(args.out, "vs_metaschedule.json")
     with open(report, "w", encoding="utf-8") as f:
         json.dump({"tvm": tvm.__version__, "target": str(ms_target(target)), "results": rows}, f, indent=2)

@@ -278,6 +278,13 @@ class Measurer:
         return [Result(knobs, value, None) if status == "ok" else Result(knobs, [], value)
                 for knobs, (status, value) in ((candidates[i], outcome[i]) for i in range(len(candidates)))]
 
+    def time_library(self, func, lib_path: str, dims: dict | None = None) -> Result:
+        """Check and time a library built elsewhere (e.g. by MetaSchedule) for `func`, exactly as
+        candidates are: same runner, reference, timer."""
+        (status, value), = self.runners.map(self.runner, [(tvm.ir.save_json(func), self.target_json,
+                                                           dict(dims or {}), lib_path, [])], self.timeout)
+        return Result({}, value, None) if status == "ok" else Result({}, [], value)
+
     def copy_gbps(self) -> float:
         (status, value), = self.runners.map(copy_gbps, [(self.target_json,)], self.timeout)
         if status != "ok":

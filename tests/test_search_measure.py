@@ -80,3 +80,16 @@ def test_wrong_result_is_an_error_never_a_latency():
     t = task()
     (result,) = measure(t.func, TARGET, [CPU_ROWS], builder=zeroing_builder, timeout=120)
     assert result.us == [] and result.error.startswith("ValueError: wrong result"), result.error
+
+
+def test_a_library_built_elsewhere_is_checked_and_timed_like_a_candidate(tmp_path):
+    import tvm  # noqa: PLC0415
+
+    t = task()
+    lib = tvm.compile(tvm.IRModule({"main": t.func.with_attr("global_symbol", "main")}), target=TARGET)
+    lib.export_library(str(tmp_path / "plain.so"))
+    with Measurer(TARGET, builders=1, timeout=120) as measurer:
+        good = measurer.time_library(t.func, str(tmp_path / "plain.so"))
+        missing = measurer.time_library(t.func, str(tmp_path / "missing.so"))
+    assert good.error is None and good.best_us > 0
+    assert missing.us == [] and missing.error
