@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import tvm
-from tvm import relax, te
+from tvm import relax, te, tirx
 from tvm.support import nvcc
 
 import tvm_ext
@@ -89,3 +89,36 @@ def test_the_plain_template_builds_to_cuda_without_tensor_cores():
     if shutil.which("nvcc"):
         with tvm_ext.parse_target(CUDA_TARGET):
             assert bytes(nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")[:4]) == b"\x7fELF"
+
+
+def test_thread_indices_are_unified_in_the_fragment_blocks_only():
+    import tvm_ffi  # noqa: PLC0415
+
+    from tvm_ext.tensorize import unify_thread_indices  # noqa: PLC0415
+
+    func = scheduled(legalized_matmul(256, 512, 128))
+    found = match_mma(func)
+    original, after = _realizes(func), _realizes(unify_thread_indices(func, found))
+    fragment = ["matmul_init", "matmul_update", "matmul_local", "a_shared_local", "b_shared_local"]
+    assert all(_uses(original[name], found.lane) for name in ("matmul_init", "matmul_update", "matmul_local"))
+    assert not any(_uses(after[name], found.lane) for name in fragment)
+    for copy in ("a_shared", "b_shared"):  # cooperative copies keep every thread's own indices
+        assert tvm_ffi.structural_equal(after[copy].iter_values, original[copy].iter_values)
+
+
+def _uses(realize, var) -> bool:
+    import tvm_ffi  # noqa: PLC0415
+
+    seen = []
+    for value in realize.iter_values:
+        tvm_ffi.structural_walk(value, (tirx.Var, lambda v: seen.append(v) if v.same_as(var) else None), order="pre")
+    return bool(seen)
+
+
+def _realizes(func) -> dict:
+    import tvm_ffi  # noqa: PLC0415
+    from tvm.s_tir.stmt import SBlockRealize  # noqa: PLC0415
+
+    found = []
+    tvm_ffi.structural_walk(func.body, (SBlockRealize, found.append), order="pre")
+    return {r.block.name_hint: r for r in found}

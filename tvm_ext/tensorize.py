@@ -14,7 +14,12 @@ recognises what one warp computes there. Steps, each a function of its own:
    which matrix_b, and the major order of each (where that axis sits in its indices).
 
 No match: None, with the reason at debug level; the function then stays plain CUDA code.
-Still to come (issue 7): thread-index unification, loop scaling and emitting the wmma intrinsics.
+3. `unify_thread_indices`: inside the fragment blocks only (the accumulator's zeroing, the operand
+   fills, the multiply-accumulate, the drain), every lane addresses its warp's tile origin:
+   threadIdx.x -> 0 (threadIdx.y already numbers warps: blockDim.x is one warp); the
+   shared-memory copies keep each thread's own indices.
+
+Still to come (issue 7): loop scaling and emitting the wmma intrinsics.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import tvm_ffi
 from tvm import tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 from tvm.s_tir.stmt import SBlock, SBlockRealize
+
+from .variants import substitute
 
 LOG = logging.getLogger(__name__)
 WIDER = {"float16": "float32", "bfloat16": "float32", "int8": "int32"}
@@ -46,6 +53,8 @@ class MmaMatch:
     warp_tile: tuple  # (m, n, k) one warp computes per step of the reduce loops around the update
     fills: dict  # operand buffer -> the block that copies it from shared memory
     drain: SBlock  # the block that writes the accumulator out
+    init: SBlock  # the block that zeroes the accumulator
+    lane: tirx.Var  # threadIdx.x, one warp wide
 
 
 def _blocks(func: tirx.PrimFunc) -> list:
@@ -144,9 +153,11 @@ def match_mma(func: tirx.PrimFunc, name: str = "main") -> MmaMatch | None:
                              and all(r.source.scope() == "shared" for r in blk.reads)), None) for x in (a, b)}
     drain = next((blk for blk in others if any(r.source.same_as(store.buffer) for r in blk.reads)
                   and not blk.same_as(block)), None)
-    if None in fills.values() or drain is None:
-        return _no_match(name, "operands not filled from shared memory, or the accumulator never written out")
-    return MmaMatch(block, store.buffer, a, b, row, col, k, tile, fills, drain)
+    init = next((blk for blk in others if not blk.reads and any(w.source.same_as(store.buffer) for w in blk.writes)),
+                None)
+    if None in fills.values() or drain is None or init is None:
+        return _no_match(name, "operands not filled from shared memory, or the accumulator never zeroed or written out")
+    return MmaMatch(block, store.buffer, a, b, row, col, k, tile, fills, drain, init, lane)
 
 
 @dataclass(frozen=True)
@@ -173,3 +184,20 @@ def infer_fragments(match: MmaMatch) -> tuple[Fragment, Fragment]:
         raise ValueError("operands are not indexed (row, k) and (k, col) in some order")
     return (Fragment(first.source, "matrix_a", "row_major" if rows_at == 0 else "col_major"),
             Fragment(second.source, "matrix_b", "row_major" if cols_at == len(second.indices) - 1 else "col_major"))
+
+
+def unify_thread_indices(func: tirx.PrimFunc, match: MmaMatch) -> tirx.PrimFunc:
+    """Step 3: the fragment blocks' bindings with every lane at its warp's tile origin (lane -> 0).
+
+    threadIdx.y needs no change here: match_mma only accepts a threadIdx.x one warp wide, so
+    threadIdx.y already numbers warps (the general rule, ty -> floor(ty / (32 / blockDim.x)) *
+    (32 / blockDim.x), is the identity when blockDim.x is 32)."""
+    fragment_blocks = [match.init, match.block, match.drain, *match.fills.values()]
+    origin = {match.lane: tirx.const(0, match.lane.ty.dtype)}
+
+    def unify(realize):
+        if not any(realize.block.same_as(blk) for blk in fragment_blocks):
+            return realize
+        return SBlockRealize([substitute(v, origin) for v in realize.iter_values], realize.predicate, realize.block)
+
+    return func.with_body(tvm_ffi.structural_map(func.body, (SBlockRealize, unify)))
