@@ -62,6 +62,10 @@ def _same(a, b) -> bool:
         tvm_ffi.structural_equal(x, y) for x, y in zip(a, b))
 
 
+def _same_signature(a, b) -> bool:
+    return _same(a[0], b[0]) and _same(a[1], b[1])
+
+
 def _kernel_calls(mod: tvm.IRModule, call: relax.Call) -> tuple[list, dict] | None:
     """(the call_tir calls a node stands for: itself, or a FuseOps group's body; the group's
     symbolic dims -> the caller's), or None if the node is not kernels."""
@@ -98,7 +102,7 @@ def _classify(mod: tvm.IRModule, node: _Node) -> None:
                                     for shape in (rows, _type_shape(call.ty_args[0]))))
         elif pattern is None or pattern > ELEMENTWISE:
             return
-    if any(not _same(s[0], signatures[0][0]) or not _same(s[1], signatures[0][1]) for s in signatures):
+    if any(not _same_signature(s, signatures[0]) for s in signatures):
         return
     node.signature = signatures[0] if signatures else None
     node.out_shape = _shape(node.binding.var)
@@ -152,8 +156,7 @@ class _Groups:
         sa, sb = self.signature[a], self.signature[b]
         if a == b or (sa is None and sb is None):  # elementwise with elementwise is FuseOps' business
             return False
-        if sa is not None and sb is not None and (not (_same(sa[0], sb[0]) and _same(sa[1], sb[1]))
-                                                  or _same(sa[0], sa[1])):
+        if sa is not None and sb is not None and (not _same_signature(sa, sb) or _same(sa[0], sa[1])):
             return False  # a whole norm op (rows in, rows out) hides its axes: it takes elementwise work only
         signature = sa or sb
         if not self._fits(signature, self.members(a) + self.members(b)) or self._detour(a, b):
@@ -203,7 +206,7 @@ def _inline(mod, member: _Node, subst: dict, bindings: list) -> None:
     subst[member.binding.var] = subst[result]
 
 
-def _writes_elements(mod, member: _Node) -> bool:
+def _writes_elements(member: _Node) -> bool:
     """A lone elementwise kernel (cheap to compute twice); not a reduction or a FuseOps group."""
     return member.signature is None and member.binding.value.op.same_as(CALL_TIR)
 
@@ -233,12 +236,12 @@ def _group_function(mod, members: list, outputs: list) -> tuple[relax.Function, 
         _inline(mod, m, subst, bindings)
     read_inside = {v for m in members for v in _operands(m.binding.value)}
     for v in outputs:
-        if v in read_inside and _writes_elements(mod, next(m for m in members if m.binding.var.same_as(v))):
+        if v in read_inside and _writes_elements(next(m for m in members if m.binding.var.same_as(v))):
             # also an input of the chain (a residual sum): computed twice, so that the copy the
             # chain reads inlines into it and the output is written by the last loop nest
-            bindings.append(relax.VarBinding(relax.DataflowVar(v.name, subst[v].ty), bindings[
-                next(i for i, b in enumerate(bindings) if b.var.same_as(subst[v]))].value))
-            subst[v] = bindings[-1].var
+            call = next(b.value for b in bindings if b.var.same_as(subst[v]))
+            subst[v] = relax.DataflowVar(v.name, subst[v].ty)
+            bindings.append(relax.VarBinding(subst[v], call))
     results = [subst[v] for v in outputs]
     if len(results) == 1:
         out = relax.Var("gv", results[0].ty)
@@ -330,11 +333,25 @@ class FuseReduceGroups:
                 for later in blocks[i + 1:]:
                     tvm_ffi.structural_walk(later, (relax.Var, after.append), order="pre")
                 tvm_ffi.structural_walk(func.body.body, (relax.Var, after.append), order="pre")
-                used_after = {v for v in after} | {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
+                used_after = set(after) | {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
                 new_blocks.append(_rewrite_block(builder, mod, block, used_after))
             if any(a is not b for a, b in zip(new_blocks, blocks)):
                 builder.update_func(gv, _with_blocks(func, new_blocks))
         return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(builder.get()))
+
+
+def _rewrite_bindings(mod: tvm.IRModule, rewriter) -> tvm.IRModule:
+    """`mod` with each Relax function's bindings passed through `rewriter(func)` (a function of
+    one binding, or None to leave that function alone)."""
+    builder = relax.BlockBuilder(mod)
+    for gv, func in list(mod.functions_items()):
+        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
+            continue
+        rewrite = rewriter(func)
+        if rewrite is not None:
+            blocks = [type(block)([rewrite(b) for b in block.bindings]) for block in func.body.blocks]
+            builder.update_func(gv, _with_blocks(func, blocks))
+    return builder.get()
 
 
 @tvm.transform.module_pass(opt_level=0, name="TVMExtMaxFromTopOne")
@@ -342,51 +359,46 @@ def max_from_top_one(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     """`x.max(-1, keepdim=True)[0]` in PyTorch reaches Relax as a top-1 sort (TVM's frontend maps
     max-with-indices to topk): where only the values are used, it becomes the max (min) reduction
     it is, which legalizes to one reduction and fuses (a spelled-out softmax: 1 kernel, not 7)."""
-    mod = relax.transform.DeadCodeElimination()(relax.transform.CanonicalizeBindings()(_forward_tuple_items(mod)))
-    builder = relax.BlockBuilder(mod)
-    for gv, func in list(mod.functions_items()):
-        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
-            continue
-        bindings = [b for block in func.body.blocks for b in block.bindings]
-        tops = {b.var: b.value for b in bindings if isinstance(b.value, relax.Call) and b.value.op.same_as(TOPK)
-                and int(b.value.attrs.k) == 1}
-        values_only = {v for v in tops if _only_values_read(v, bindings, func.body.body)}
-        if not values_only:
-            continue
-        reduce_op = {True: relax.op.max, False: relax.op.min}
-
-        def rewrite(b):
-            value = b.value
-            if isinstance(value, relax.TupleGetItem) and value.tuple_value in values_only:
-                top = tops[value.tuple_value]
-                return relax.VarBinding(b.var, reduce_op[bool(top.attrs.largest)](
-                    top.args[0], axis=[int(top.attrs.axis)], keepdims=True))
-            return b
-
-        blocks = [type(block)([rewrite(b) for b in block.bindings]) for block in func.body.blocks]
-        builder.update_func(gv, _with_blocks(func, blocks))
-    return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(builder.get()))
+    mod = relax.transform.DeadCodeElimination()(relax.transform.CanonicalizeBindings()(
+        _rewrite_bindings(mod, _forward_tuple_items)))
+    return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(_rewrite_bindings(mod, _top_one_as_max)))
 
 
-def _forward_tuple_items(mod: tvm.IRModule) -> tvm.IRModule:
+def _is_top_one(call) -> bool:
+    return call.op.same_as(TOPK) and int(call.attrs.k) == 1
+
+
+def _top_one_as_max(func: relax.Function):
+    """Rewrites `v = top[0]` of a top-1 sort read only for its values into `v = max(x)` (or min)."""
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    tops = {b.var: b.value for b in bindings if isinstance(b.value, relax.Call) and _is_top_one(b.value)}
+    values_only = {v for v in tops if _only_values_read(v, bindings, func.body.body)}
+    if not values_only:
+        return None
+    reduce_op = {True: relax.op.max, False: relax.op.min}
+
+    def rewrite(b):
+        value = b.value
+        if isinstance(value, relax.TupleGetItem) and value.tuple_value in values_only:
+            top = tops[value.tuple_value]
+            return relax.VarBinding(b.var, reduce_op[bool(top.attrs.largest)](
+                top.args[0], axis=[int(top.attrs.axis)], keepdims=True))
+        return b
+    return rewrite
+
+
+def _forward_tuple_items(func: relax.Function):
     """`t = (a, b); u = t[0]` -> `u = a` (the frontend rebuilds topk's tuple before reading it),
     so that a value read of the topk shows as one."""
-    builder = relax.BlockBuilder(mod)
-    for gv, func in list(mod.functions_items()):
-        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
-            continue
-        literals = {b.var: b.value for block in func.body.blocks for b in block.bindings
-                    if isinstance(b.value, relax.Tuple)}
+    literals = {b.var: b.value for block in func.body.blocks for b in block.bindings
+                if isinstance(b.value, relax.Tuple)}
 
-        def forward(b):
-            value = b.value
-            if isinstance(value, relax.TupleGetItem) and value.tuple_value in literals:
-                return relax.VarBinding(b.var, literals[value.tuple_value].fields[value.index])
-            return b
-
-        blocks = [type(block)([forward(b) for b in block.bindings]) for block in func.body.blocks]
-        builder.update_func(gv, _with_blocks(func, blocks))
-    return builder.get()
+    def forward(b):
+        value = b.value
+        if isinstance(value, relax.TupleGetItem) and value.tuple_value in literals:
+            return relax.VarBinding(b.var, literals[value.tuple_value].fields[value.index])
+        return b
+    return forward
 
 
 def _only_values_read(var, bindings, result) -> bool:
