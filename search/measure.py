@@ -41,6 +41,16 @@ class Result:
         return min(self.us) if self.us else float("inf")
 
 
+def _result(knobs: dict, answer: tuple) -> Result:
+    """A Result from a worker's (status, latencies or error text)."""
+    status, value = answer
+    return Result(knobs, value, None) if status == "ok" else Result(knobs, [], value)
+
+
+def _device(target):
+    return tvm.cpu() if target.kind.name == "llvm" else tvm.device(target.kind.name)
+
+
 def _error_text(err: BaseException) -> str:
     text = str(err).strip()
     return f"{type(err).__name__}: {text.splitlines()[-1] if text else ''}"
@@ -132,7 +142,7 @@ def run_candidate(func_json: str, target_json: str, dims: dict, lib_path: str, z
                   repeat: int = REPEAT) -> list[float]:
     """In the runner: load a built candidate, check its output against the reference, time it (us)."""
     target = tvm.target.Target(target_json)
-    device = tvm.cpu() if target.kind.name == "llvm" else tvm.device(target.kind.name)
+    device = _device(target)
     inputs, want, dtype = _reference(func_json, dims, device)
     lib = tvm.runtime.load_module(lib_path)
     poison = np.full(want.shape, np.nan if "float" in dtype else -7).astype(dtype)
@@ -153,7 +163,7 @@ def run_candidate(func_json: str, target_json: str, dims: dict, lib_path: str, z
 def copy_gbps(target_json: str) -> float:
     """The device's copy bandwidth (bytes read + written per second / 1e9), the yardstick of the tables."""
     target = tvm.target.Target(target_json)
-    device = tvm.cpu() if target.kind.name == "llvm" else tvm.device(target.kind.name)
+    device = _device(target)
     size = 1 << 26 if target.kind.name == "llvm" else 1 << 30
     src, dst = tvm.runtime.empty((size,), "uint8", device), tvm.runtime.empty((size,), "uint8", device)
     best = float("inf")
@@ -224,8 +234,6 @@ class _Pool:
     def map(self, fn, jobs: list, timeout: float) -> list:
         """(status, value) of fn(*args) for each args of `jobs`, in order."""
         out, pending = [None] * len(jobs), list(range(len(jobs)))
-        while self.workers and len(self.workers) > self.size:
-            self.workers.pop().close()
         while len(self.workers) < min(self.size, len(jobs)):
             self.workers.append(_Worker(self.context))
         busy: list = []
@@ -275,15 +283,14 @@ class Measurer:
         outcome = dict(enumerate(built)) | dict(zip(runnable, ran))
         for i in runnable:
             os.unlink(built[i][1][0])
-        return [Result(knobs, value, None) if status == "ok" else Result(knobs, [], value)
-                for knobs, (status, value) in ((candidates[i], outcome[i]) for i in range(len(candidates)))]
+        return [_result(knobs, outcome[i]) for i, knobs in enumerate(candidates)]
 
     def time_library(self, func, lib_path: str, dims: dict | None = None) -> Result:
         """Check and time a library built elsewhere (e.g. by MetaSchedule) for `func`, exactly as
         candidates are: same runner, reference, timer."""
-        (status, value), = self.runners.map(self.runner, [(tvm.ir.save_json(func), self.target_json,
-                                                           dict(dims or {}), lib_path, [])], self.timeout)
-        return Result({}, value, None) if status == "ok" else Result({}, [], value)
+        (answer,) = self.runners.map(self.runner, [(tvm.ir.save_json(func), self.target_json, dict(dims or {}),
+                                                    lib_path, [])], self.timeout)
+        return _result({}, answer)
 
     def copy_gbps(self) -> float:
         (status, value), = self.runners.map(copy_gbps, [(self.target_json,)], self.timeout)
