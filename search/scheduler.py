@@ -16,19 +16,20 @@ from .strategy import TaskSearch
 FLOOR = 0.02  # expected relative improvement of a batch over an unexplored space
 
 
-def _gain(search: TaskSearch, last_improvement: float) -> float:
+def _gain(search: TaskSearch) -> float:
     unexplored = 1 - len(search.measured) / max(1, len(search.points))
-    expected = max(last_improvement, FLOOR * unexplored)
+    expected = max(search.improvement, FLOOR * unexplored)
     best = search.best_us if search.best else 1.0
     return search.task.weight * best * expected
 
 
 def tune(searches: list[TaskSearch], measure, trials: int, prior: list = (), progress: bool = True) -> list[TaskSearch]:
     """Run `searches` with at most `trials` new measurements over all of them."""
-    prior = list(prior)
+    def retrain(search):
+        search.retrain(list(prior) + [other.own_group() for other in searches if other is not search])
+
     for search in searches:
-        search.retrain(prior + [other.own_group() for other in searches if other is not search])
-    improvement = {id(s): 1.0 for s in searches}
+        retrain(search)
     overall = tqdm(total=trials, desc="all tasks", disable=not progress, position=0)
     bars = {id(s): tqdm(total=s.budget, initial=len(s.measured), desc=s.task.name, disable=not progress,
                         position=i + 1, leave=False) for i, s in enumerate(searches)}
@@ -38,17 +39,13 @@ def tune(searches: list[TaskSearch], measure, trials: int, prior: list = (), pro
         if not live:
             break
         fresh = [s for s in live if s.batches == 0]
-        search = fresh[0] if fresh else max(live, key=lambda s: _gain(s, improvement[id(s)]))
-        before = search.best_us
+        search = fresh[0] if fresh else max(live, key=_gain)
         n = search.step(measure, trials - spent)
         spent += n
-        after = search.best_us
-        improvement[id(search)] = (before - after) / before if before != float("inf") and after < before else 0.0
-        others = [other.own_group() for other in searches if other is not search]
-        search.retrain(prior + others)
+        retrain(search)
         overall.update(n)
         bars[id(search)].update(n)
-        bars[id(search)].set_postfix_str(f"best {after:.1f} us" if search.best else "no valid candidate yet")
+        bars[id(search)].set_postfix_str(f"best {search.best_us:.1f} us" if search.best else "no valid candidate yet")
     for bar in bars.values():
         bar.close()
     overall.close()

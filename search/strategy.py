@@ -39,9 +39,11 @@ class TaskSearch:
         self.measured: list = []  # indices into points, in measurement order
         self.results: list = []  # their Results
         self.stale, self.batches = 0, 0
+        self.improvement = 0.0  # relative gain of the last batch
         for rec in past:
-            if rec["knobs"] in self.points and self.points.index(rec["knobs"]) not in self.measured:
-                self.measured.append(self.points.index(rec["knobs"]))
+            i = self.points.index(rec["knobs"]) if rec["knobs"] in self.points else None
+            if i is not None and i not in self.measured:
+                self.measured.append(i)
                 self.results.append(Result(rec["knobs"], rec.get("samples") or ([rec["us"]] if rec["us"] else []),
                                            rec.get("error")))
 
@@ -100,5 +102,7 @@ class TaskSearch:
                           None if result.error else result.best_us, result.error, result.us,
                           {"schema": SCHEMA, "values": [float(v) for v in self.x[i]]})
         self.batches += 1
-        self.stale = 0 if self.best_us < before else self.stale + 1
+        improved = self.best_us < before
+        self.stale = 0 if improved else self.stale + 1
+        self.improvement = (before - self.best_us) / before if improved and before != float("inf") else 0.0
         return len(chosen)
