@@ -44,17 +44,19 @@ def _call_counts(mod: tvm.IRModule) -> dict:
     return counts
 
 
-def extract_tasks(mod: tvm.IRModule, target, **options) -> list[Task]:
-    """The tasks of `mod` on `target`, heaviest first (then by name)."""
+def extract_tasks(mods, target, **options) -> list[Task]:
+    """The tasks of `mods` (one IRModule or a list of them, e.g. a suite) on `target`, heaviest
+    first (then by name)."""
     target = target if isinstance(target, Target) else parse_target(target)
-    fused = fused_module(mod, target, **options)
-    counts = _call_counts(fused)
     tasks: dict = {}
-    for gv, func in sorted(fused.functions_items(), key=lambda item: item[0].name_hint):
-        if not isinstance(func, tirx.PrimFunc) or not is_reduce_subgraph(func):
-            continue
-        key = task_key(func, target)
-        first = tasks.get(key)
-        weight = counts.get(gv.name_hint, 0) + (first.weight if first else 0)
-        tasks[key] = Task(first.name if first else gv.name_hint, key, first.func if first else func, weight)
+    for mod in mods if isinstance(mods, (list, tuple)) else [mods]:
+        fused = fused_module(mod, target, **options)
+        counts = _call_counts(fused)
+        for gv, func in sorted(fused.functions_items(), key=lambda item: item[0].name_hint):
+            if not isinstance(func, tirx.PrimFunc) or not is_reduce_subgraph(func):
+                continue
+            key = task_key(func, target)
+            first = tasks.get(key)
+            weight = counts.get(gv.name_hint, 0) + (first.weight if first else 0)
+            tasks[key] = Task(first.name if first else gv.name_hint, key, first.func if first else func, weight)
     return sorted(tasks.values(), key=lambda t: (-t.weight, t.name))

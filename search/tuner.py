@@ -55,17 +55,6 @@ def _open_log(log: str, resume: bool) -> list[dict]:
     return []
 
 
-def model_tasks(mods, target) -> list:
-    """The tasks of one module or of several (a suite), merged by key."""
-    merged: dict = {}
-    for mod in mods if isinstance(mods, (list, tuple)) else [mods]:
-        for task in extract_tasks(mod, target):
-            first = merged.get(task.key)
-            merged[task.key] = task if first is None else type(task)(first.name, first.key, first.func,
-                                                                      first.weight + task.weight)
-    return sorted(merged.values(), key=lambda t: (-t.weight, t.name))
-
-
 def tune_model(mod, target, trials: int, log: str, resume: bool = False, warm_start=(), dims=None,
                builders: int | None = None, timeout: float = 60.0, batch: int = 8, patience: int = 3,
                seed: int = 0, progress: bool = True) -> list[TaskReport]:
@@ -73,7 +62,7 @@ def tune_model(mod, target, trials: int, log: str, resume: bool = False, warm_st
     if trials < 0:
         raise ValueError(f"trials must be >= 0, not {trials}")
     target = parse_target(target)
-    tasks = model_tasks(mod, target)
+    tasks = extract_tasks(mod, target)
     if not tasks:
         raise ValueError("the model has no fused reduce subgraph for tvm_ext to tune")
     logged = _open_log(log, resume)
