@@ -28,8 +28,9 @@ class ModelDatabase(Database):
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ModelDatabase":
-        db = super().load(path)
-        db.model = CostModel().fit(logged_groups(read_records(path)))
+        records = list(read_records(path))  # read once: a bad line warns once
+        db = cls.from_records(path, records)
+        db.model = CostModel().fit(logged_groups(records))
         if db.model.booster is None:
             raise ValueError(f"tuning log {os.fspath(path)!r} has too few measurements to train a cost model")
         return db

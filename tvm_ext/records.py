@@ -85,8 +85,13 @@ class Database:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Database":
+        return cls.from_records(path, read_records(path))
+
+    @classmethod
+    def from_records(cls, path: str | os.PathLike, records) -> "Database":
+        """The best successful record per key of `records` (read from `path`)."""
         db = cls(os.fspath(path))
-        for rec in read_records(path):
+        for rec in records:
             if rec.get("error") is None and (rec["key"] not in db.best or rec["us"] < db.best[rec["key"]][0]):
                 db.best[rec["key"]] = (float(rec["us"]), rec["knobs"])
         return db
@@ -114,15 +119,13 @@ def append_record(path: str | os.PathLike, func: tirx.PrimFunc, target: Target, 
     if features is not None:
         rec["features"] = features
     line = json.dumps(rec, sort_keys=True) + "\n"
-    with open(path, "ab") as log:
+    with open(path, "a+b") as log:  # writes always append; reads see the last byte
         fcntl.flock(log, fcntl.LOCK_EX)
         try:
             end = log.seek(0, os.SEEK_END)
             if end:
-                with open(path, "rb") as tail:
-                    tail.seek(end - 1)
-                    torn = tail.read(1) != b"\n"
-                line = ("\n" if torn else "") + line
+                log.seek(end - 1)
+                line = ("" if log.read(1) == b"\n" else "\n") + line
             log.write(line.encode("utf-8"))
             log.flush()
         finally:
