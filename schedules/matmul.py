@@ -13,10 +13,28 @@ fetched by all threads together) and registers; C accumulates in registers.
 from __future__ import annotations
 
 from tvm import s_tir, tirx
+from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 
 NAME = "matmul"
 WARP = 32
-LOW_PRECISION = {"float16": "float32", "bfloat16": "float32", "int8": "int32"}
+WIDER = {"float16": "float32", "bfloat16": "float32", "int8": "int32"}  # input dtype -> accumulator dtype
+
+
+def multiply_accumulate(store) -> tuple | None:
+    """(a load, b load) when `store` is `c = c + cast(a) * cast(b)` with a and b of one low-precision
+    dtype and c of the wider one, else None."""
+    if not isinstance(store, tirx.BufferStore) or not isinstance(store.value, tirx.Add):
+        return None
+    acc, product = store.value.a, store.value.b
+    if not (isinstance(acc, TensorLoad) and acc.source.same_as(store.buffer) and isinstance(product, tirx.Mul)):
+        return None
+    loads = [x.value for x in (product.a, product.b) if isinstance(x, tirx.Cast)]
+    if len(loads) != 2 or not all(isinstance(x, TensorLoad) for x in loads):
+        return None
+    a, b = loads
+    if WIDER.get(str(a.source.dtype)) != str(store.buffer.dtype) or a.source.dtype != b.source.dtype:
+        return None
+    return a, b
 
 
 def contraction(func: tirx.PrimFunc):
@@ -30,16 +48,7 @@ def contraction(func: tirx.PrimFunc):
     if [iv.iter_type for iv in block.iter_vars] != [tirx.IterVar.DataPar, tirx.IterVar.DataPar,
                                                      tirx.IterVar.CommReduce]:
         return None
-    store = block.body
-    if not isinstance(store, tirx.BufferStore) or not isinstance(store.value, tirx.Add):
-        return None
-    product = store.value.b
-    if not isinstance(product, tirx.Mul) or not all(isinstance(x, tirx.Cast) for x in (product.a, product.b)):
-        return None
-    in_dtype = str(product.a.value.ty.dtype) if hasattr(product.a.value, "ty") else None
-    if LOW_PRECISION.get(in_dtype) != str(store.buffer.dtype):
-        return None
-    return sch, blocks[0]
+    return (sch, blocks[0]) if multiply_accumulate(block.body) else None
 
 
 def _has_root(sch) -> bool:
@@ -50,7 +59,7 @@ def _has_root(sch) -> bool:
     return True
 
 
-def default_knobs(m: int, n: int) -> dict:
+def default_knobs() -> dict:
     """64 x 64 tiles of 2 warps (16-row warp tiles would give 4: fewer accumulators per thread)."""
     return {"strategy": NAME, "block_m": 64, "block_n": 64, "block_k": 16, "warp_m": 16, "thread_n": 2}
 

@@ -34,7 +34,7 @@ def linear(m, n, k):
 
 
 def scheduled(func, **knobs):
-    sch = matmul.apply(func, {**matmul.default_knobs(0, 0), **knobs})
+    sch = matmul.apply(func, {**matmul.default_knobs(), **knobs})
     assert sch is not None
     return sch.mod["main"]
 
@@ -63,7 +63,7 @@ def test_larger_warp_tiles_and_k_steps():
 
 def test_what_is_not_a_tensor_core_matmul_is_left_alone(caplog):
     caplog.set_level(logging.DEBUG, logger="tvm_ext.tensorize")
-    assert matmul.apply(legalized_matmul(64, 64, 64, "float32", "float32"), matmul.default_knobs(0, 0)) is None
+    assert matmul.apply(legalized_matmul(64, 64, 64, "float32", "float32"), matmul.default_knobs()) is None
     assert match_mma(legalized_matmul(64, 64, 64, "float32", "float32")) is None  # fp32 operands
     assert match_mma(scheduled(legalized_matmul(256, 512, 128), warp_m=8, block_m=32)) is None
     assert "warp tile (8, 64, 16)" in caplog.text

@@ -33,12 +33,12 @@ from tvm import tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 from tvm.s_tir.stmt import SBlock, SBlockRealize
 
+from schedules.matmul import WARP, multiply_accumulate
+
 from .variants import substitute
 
 LOG = logging.getLogger(__name__)
-WIDER = {"float16": "float32", "bfloat16": "float32", "int8": "int32"}
-TILE = 16  # m = n = k of the wmma shape matched (16x16x16 exists for every type above)
-WARP = 32
+TILE = 16  # m = n = k of the wmma shape matched (16x16x16 exists for every type matmul.WIDER lists)
 
 
 @dataclass
@@ -87,22 +87,11 @@ def _loops_and_bindings(func: tirx.PrimFunc, block: SBlock) -> tuple[list, dict]
 
 
 def _update(block: SBlock):
-    """(c store, a load, b load) if `block` is `c = c + cast(a) * cast(b)` as matched, else None."""
-    store = block.body
-    if not isinstance(store, tirx.BufferStore) or not isinstance(store.value, tirx.Add):
+    """(c store, a load, b load) if `block` is `c = c + cast(a) * cast(b)` over registers, else None."""
+    loads = multiply_accumulate(block.body)
+    if loads is None or block.body.buffer.scope() != "local" or any(x.source.scope() != "local" for x in loads):
         return None
-    acc, product = store.value.a, store.value.b
-    if not (isinstance(acc, TensorLoad) and acc.source.same_as(store.buffer) and isinstance(product, tirx.Mul)):
-        return None
-    loads = [x.value for x in (product.a, product.b) if isinstance(x, tirx.Cast)]
-    if len(loads) != 2 or not all(isinstance(x, TensorLoad) for x in loads):
-        return None
-    a, b = loads
-    if store.buffer.scope() != "local" or any(x.source.scope() != "local" for x in (a, b)):
-        return None
-    if WIDER.get(str(a.source.dtype)) != str(store.buffer.dtype) or a.source.dtype != b.source.dtype:
-        return None
-    return store, a, b
+    return (block.body, *loads)
 
 
 def _coefficient(expr, var) -> int | None:
@@ -117,7 +106,8 @@ def _no_match(func_name: str, why: str) -> None:
 
 def match_mma(func: tirx.PrimFunc, name: str = "main") -> MmaMatch | None:
     """Step 1: the warp-level mma a thread-level matmul schedule expresses, or None."""
-    updates = [(block, found) for block in _blocks(func) if (found := _update(block)) is not None]
+    blocks = _blocks(func)
+    updates = [(block, found) for block in blocks if (found := _update(block)) is not None]
     if len(updates) != 1:
         return _no_match(name, f"{len(updates)} multiply-accumulates of low-precision registers (need 1)")
     block, (store, a, b) = updates[0]
@@ -148,12 +138,11 @@ def match_mma(func: tirx.PrimFunc, name: str = "main") -> MmaMatch | None:
     tile = (m, WARP * per_lane, kk)
     if any(extent % TILE for extent in tile):
         return _no_match(name, f"warp tile {tile} is not made of {TILE}x{TILE}x{TILE} tiles")
-    others = _blocks(func)
-    fills = {x.source: next((blk for blk in others if any(w.source.same_as(x.source) for w in blk.writes)
+    fills = {x.source: next((blk for blk in blocks if any(w.source.same_as(x.source) for w in blk.writes)
                              and all(r.source.scope() == "shared" for r in blk.reads)), None) for x in (a, b)}
-    drain = next((blk for blk in others if any(r.source.same_as(store.buffer) for r in blk.reads)
+    drain = next((blk for blk in blocks if any(r.source.same_as(store.buffer) for r in blk.reads)
                   and not blk.same_as(block)), None)
-    init = next((blk for blk in others if not blk.reads and any(w.source.same_as(store.buffer) for w in blk.writes)),
+    init = next((blk for blk in blocks if not blk.reads and any(w.source.same_as(store.buffer) for w in blk.writes)),
                 None)
     if None in fills.values() or drain is None or init is None:
         return _no_match(name, "operands not filled from shared memory, or the accumulator never zeroed or written out")
