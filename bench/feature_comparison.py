@@ -19,13 +19,12 @@ import numpy as np
 import tvm
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.meta_schedule.arg_info import ArgInfo
-from tvm.target import Target
 
 import schedules
-from bench.suite import relax_module
+from bench.measure_spaces import measured, table_tasks
+from bench.report import write_json_and_markdown
 from search.cost_model import CostModel
 from search.features import candidate_features
-from search.tasks import extract_tasks
 
 
 def per_store_features(func, target, points) -> np.ndarray:
@@ -46,15 +45,12 @@ def _spearman(a, b) -> float:
 
 
 def compare(table: dict) -> dict:
-    target = Target(table["target"])
+    target, tasks = table_tasks(table)
     data = {}
     for cid, entry in table["cases"].items():
-        c = entry["case"]
-        (task,) = extract_tasks(relax_module(c["op"], c["shape"], c["dtype"]), target)
-        rows = [r for r in entry["points"] if r["error"] is None]
-        points = [r["knobs"] for r in rows]
-        data[cid] = {"us": np.array([min(r["us"]) for r in rows]), "ours": candidate_features(task.func, points, target),
-                     "per_store": per_store_features(task.func, target, points)}
+        points, us = measured(entry)
+        data[cid] = {"us": us, "ours": candidate_features(tasks[cid].func, points, target),
+                     "per_store": per_store_features(tasks[cid].func, target, points)}
         print(f"{cid}: {len(points)} points featurised", flush=True)
     out = {}
     for kind in ("ours", "per_store"):
@@ -66,12 +62,7 @@ def compare(table: dict) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--table", required=True)
-    ap.add_argument("--out", required=True, help="path prefix: writes .json and .md")
-    args = ap.parse_args(argv)
-    result = compare(json.load(open(args.table)))
+def markdown(result: dict) -> str:
     lines = ["| held-out case | ours: rank corr. | ours: top-1 / best | per-store: rank corr. | per-store: top-1 / best |",
              "|---|---|---|---|---|"]
     for cid in result["ours"]:
@@ -81,11 +72,16 @@ def main(argv=None) -> int:
         r = result[kind].values()
         lines.append(f"| mean ({kind}) | {np.mean([x['spearman'] for x in r]):.2f} | "
                      f"{np.exp(np.mean([np.log(x['top1_over_best']) for x in r])):.3f} (geomean) | | |")
-    with open(args.out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--table", required=True)
+    ap.add_argument("--out", required=True, help="path prefix: writes .json and .md")
+    args = ap.parse_args(argv)
+    result = compare(json.load(open(args.table)))
+    write_json_and_markdown(args.out, result, markdown(result))
     return 0
 
 

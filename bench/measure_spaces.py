@@ -14,6 +14,9 @@ import json
 import os
 import time
 
+import numpy as np
+from tvm.target import Target
+
 import tvm_ext
 from bench.suite import load_suite, relax_module
 from search.measure import Measurer
@@ -31,6 +34,19 @@ HIDDEN = [
     {"id": "rowsum-256x65536-f32", "op": "row_sum", "shape": [256, 65536], "dtype": "float32"},
     {"id": "colsum-65536x2048-f32", "op": "col_sum", "shape": [65536, 2048], "dtype": "float32"},
 ]
+
+
+def table_tasks(table: dict) -> tuple[Target, dict]:
+    """A table's target and each case's task, rebuilt the way the table was measured."""
+    target = Target(table["target"])
+    return target, {cid: extract_tasks(relax_module(e["case"]["op"], e["case"]["shape"], e["case"]["dtype"]),
+                                       target)[0] for cid, e in table["cases"].items()}
+
+
+def measured(entry: dict) -> tuple[list, np.ndarray]:
+    """Knobs and best latency of each point of a case that measured without error."""
+    good = [r for r in entry["points"] if r["error"] is None]
+    return [r["knobs"] for r in good], np.array([min(r["us"]) for r in good])
 
 
 def cases(ids: str, hidden: bool) -> list[dict]:

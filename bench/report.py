@@ -83,6 +83,15 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def write_json_and_markdown(prefix: str, result: dict, table: str) -> None:
+    """PREFIX.json (the numbers) and PREFIX.md (their table), as the search benches write them."""
+    with open(prefix + ".json", "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    with open(prefix + ".md", "w", encoding="utf-8") as f:
+        f.write(table + "\n")
+    print(table)
+
+
 def write_reports(json_path: str) -> str:
     with open(json_path, encoding="utf-8") as f:
         result = json.load(f)

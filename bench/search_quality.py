@@ -16,14 +16,15 @@ import json
 import tempfile
 
 import numpy as np
-from tvm.target import Target
 
-from bench.suite import relax_module
+from bench.measure_spaces import measured, table_tasks
+from bench.report import write_json_and_markdown
 from search.cost_model import CostModel
+from search.features import candidate_features
 from search.measure import Result
 from search.scheduler import tune
 from search.strategy import TaskSearch
-from search.tasks import extract_tasks
+from search.transfer import predict
 
 SEEDS, TRIALS = 10, 64
 
@@ -52,16 +53,13 @@ def _curve(search: TaskSearch, best: float) -> list[float]:
 
 
 def judge(table: dict) -> dict:
-    target = Target(table["target"])
-    out, training = {"cases": {}, "transfer": {}}, []
+    target, tasks = table_tasks(table)
+    out = {"cases": {}, "transfer": {}}
     with tempfile.TemporaryDirectory() as tmp:
         log = f"{tmp}/replay.json"
-        tasks = {}
         for cid, entry in table["cases"].items():
-            c = entry["case"]
-            (task,) = extract_tasks(relax_module(c["op"], c["shape"], c["dtype"]), target)
-            rows, tasks[cid] = entry["points"], task
-            best = min(min(r["us"]) for r in rows if r["error"] is None)
+            task, rows = tasks[cid], entry["points"]
+            best = float(measured(entry)[1].min())
             curves = {name: [_curve(_search(task, target, rows, eps, seed, 10**6, log), best) for seed in range(SEEDS)]
                       for name, eps in (("ours", 0.25), ("random", 1.0))}
             stopped = [_search(task, target, rows, 0.25, seed, 3, log) for seed in range(SEEDS)]
@@ -82,13 +80,9 @@ def judge(table: dict) -> dict:
                 continue
             groups = []
             for other in public:
-                search = TaskSearch(tasks[other], target, log, 0)
-                rows = {_key(r["knobs"]): r for r in table["cases"][other]["points"]}
-                good = [i for i, p in enumerate(search.points) if rows[_key(p)]["error"] is None]
-                groups.append((search.x[good], np.array([min(rows[_key(search.points[i])]["us"]) for i in good])))
-            model = CostModel().fit(groups)
-            search = TaskSearch(tasks[cid], target, log, 0)
-            pick = search.points[int(np.argmax(model.score(search.x)))]
+                points, us = measured(table["cases"][other])
+                groups.append((candidate_features(tasks[other].func, points, target), us))
+            pick = predict(CostModel().fit(groups), tasks[cid].func, target)
             rows = {_key(r["knobs"]): r for r in entry["points"]}
             pick_us = min(rows[_key(pick)]["us"]) if rows[_key(pick)]["error"] is None else float("inf")
             tuned = float(np.mean([_search(tasks[cid], target, entry["points"], 0.25, s, 10**6, log).best_us
@@ -144,12 +138,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="path prefix: writes .json, .md and .png")
     args = ap.parse_args(argv)
     result = judge(json.load(open(args.table)))
-    with open(args.out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(markdown(result) + "\n")
+    write_json_and_markdown(args.out, result, markdown(result))
     plot(result, args.out + ".png")
-    print(markdown(result))
     return 0
 
 

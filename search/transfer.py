@@ -35,12 +35,13 @@ class ModelDatabase(Database):
             raise ValueError(f"tuning log {os.fspath(path)!r} has too few measurements to train a cost model")
         return db
 
-    def predict(self, func: tirx.PrimFunc, target: Target) -> dict | None:
-        """The point of `func`'s space the model ranks first (None when no template fits it)."""
-        points = knob_space(func, target)
-        if not points:
-            return None
-        return dict(points[int(np.argmax(self.model.score(candidate_features(func, points, target))))])
-
     def lookup(self, func: tirx.PrimFunc, target: Target) -> dict | None:
-        return super().lookup(func, target) or self.predict(func, target)
+        return super().lookup(func, target) or predict(self.model, func, target)
+
+
+def predict(model: CostModel, func: tirx.PrimFunc, target: Target) -> dict | None:
+    """The point of `func`'s space `model` ranks first (None when no template fits it)."""
+    points = knob_space(func, target)
+    if not points:
+        return None
+    return dict(points[int(np.argmax(model.score(candidate_features(func, points, target))))])
