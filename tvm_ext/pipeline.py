@@ -1,12 +1,13 @@
 """The `tvm_ext` Relax pipeline: legalize, fuse, schedule fused reductions with our templates.
 
-Order: library dispatch -> mean/variance pairing (Welford) -> LegalizeOps (with our
-legalizations) -> AnnotateTIROpPattern -> FoldConstant -> FuseOps -> FuseTIR -> leave dataflow
-form -> our schedules for every fused PrimFunc with a reduction (several kernels and a run-time
-`if` where dims are symbolic; zero-filled state inputs for grid reductions) -> TVM's dlight rules
-for the rest (GPU) -> int32 indices where safe, int32/int64 twins where shapes are symbolic
-(narrowing.py) -> CallTIRRewrite -> VM finalisation. The TIR passes of `tvm_ext.passes` run
-later, inside `tvm.compile`, under the TIR pipeline of the same name.
+Order: top-1 sorts as maxima -> half math around reductions in float32 -> library dispatch ->
+mean/variance pairing (Welford) -> LegalizeOps (with our legalizations) -> AnnotateTIROpPattern ->
+FoldConstant -> FuseOps -> ours (reduce_fusion.py) -> FuseTIR -> leave dataflow form -> our
+schedules for every fused PrimFunc with a reduction (several kernels and a run-time `if` where dims
+are symbolic; zero-filled state inputs for grid reductions) -> TVM's dlight rules for the rest (GPU)
+-> int32 indices where safe, int32/int64 twins where shapes are symbolic (narrowing.py) ->
+CallTIRRewrite -> VM finalisation. The TIR passes of `tvm_ext.passes` run later, inside
+`tvm.compile`, under the TIR pipeline of the same name.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from . import welford
 from .legalize import legalizations
 from .narrowing import narrow_indices
 from .records import Database
+from .half_math import half_math_in_float
 from .reduce_fusion import FuseReduceGroups, max_from_top_one
 from .variants import rewrite_call_sites
 
@@ -94,11 +96,12 @@ def _check_lowers(func: tirx.PrimFunc, name: str, target: Target) -> None:
 
 def fused_passes(target, **options) -> list:
     """Everything up to the fused PrimFuncs the schedules see: top-1 sorts that are maxima made
-    maxima (before the library dispatch turns them into sort kernels), library dispatch, the
+    maxima (before the library dispatch turns them into sort kernels), half arithmetic around
+    reductions done in float32 with PyTorch's rounding points (half_math.py), library dispatch, the
     pairing of mean with variance (Welford), legalization, and fusion (FuseOps, then ours)."""
     variance = options.get("variance", "welford")
     statistics = [welford.pair_mean_with_variance] if variance == "welford" else []
-    return [max_from_top_one] + relax.pipeline.library_dispatch_passes(target) + statistics + [
+    return [max_from_top_one, half_math_in_float] + relax.pipeline.library_dispatch_passes(target) + statistics + [
         relax.transform.LegalizeOps(customize_legalize_map=legalizations(variance)),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
