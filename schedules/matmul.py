@@ -7,7 +7,8 @@ as the PAI paper's schedule writer would: a block computes a `block_m x block_n`
 warp covers a `warp_m x 32 * thread_n` region of C: whole 16x16 tiles when `warp_m` is a multiple
 of 16 and 32 * thread_n of 16 — the mapping the pass relies on when it hands the region to one
 warp-wide mma. A and B pass through shared memory (`block_k` columns of A and rows of B per step,
-fetched by all threads together) and registers; C accumulates in registers.
+fetched by all threads together, `vec` elements per copy, rows padded by `pad` elements) and
+registers; C accumulates in registers.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ def _has_root(sch) -> bool:
 
 
 def default_knobs() -> dict:
-    """64 x 64 tiles of 2 warps (16-row warp tiles would give 4: fewer accumulators per thread)."""
-    return {"strategy": NAME, "block_m": 64, "block_n": 64, "block_k": 16, "warp_m": 16, "thread_n": 2}
+    """64 x 64 tiles of 4 warps of 16 rows; 8-element (16-byte) shared-memory copies, rows padded by 8."""
+    return {"strategy": NAME, "block_m": 64, "block_n": 64, "block_k": 16, "warp_m": 16, "thread_n": 2, "vec": 8,
+            "pad": 8}
 
 
 def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
@@ -71,9 +73,11 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     sch, block = found
     bm, bn, bk = int(knobs["block_m"]), int(knobs["block_n"]), int(knobs["block_k"])
     wm, tn = int(knobs["warp_m"]), int(knobs["thread_n"])
+    vec, pad = int(knobs.get("vec", 1)), int(knobs.get("pad", 0))
     m, n, k = (int(x.dom.extent) for x in sch.get(block).iter_vars)
-    if bm % wm or bn != WARP * tn or m % bm or n % bn or k % bk:
-        return None  # tiles must divide the problem and the warp must span the block's columns
+    if bm % wm or bn != WARP * tn or m % bm or n % bn or k % bk or (bm * bk) % (vec * WARP * bm // wm) \
+            or (bk * bn) % (vec * WARP * bm // wm):
+        return None  # tiles must divide the problem, the warp must span the block's columns, copies the tiles
     warps = bm // wm
     i, j, kk = sch.get_loops(block)
     bi, ty, ii = sch.split(i, [None, warps, wm])
@@ -89,9 +93,12 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
         shared = sch.cache_read(block, index, "shared")
         sch.compute_at(shared, ko)
         fused = sch.fuse(*sch.get_loops(shared)[-2:])
-        _, y, x = sch.split(fused, [None, warps, WARP])
+        _, y, x, lanes = sch.split(fused, [None, warps, WARP, vec])
         sch.bind(y, "threadIdx.y")
         sch.bind(x, "threadIdx.x")
+        sch.vectorize(lanes)
+        if pad:  # rows `pad` elements apart from the next bank pattern: fewer shared-memory bank conflicts
+            sch.storage_align(shared, 0, axis=-2, factor=bk if index == 0 else bn, offset=pad)
         sch.compute_at(sch.cache_read(block, index, "local"), ki)
     sch.decompose_reduction(block, ko)
     return sch

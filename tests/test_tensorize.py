@@ -3,6 +3,7 @@
 import logging
 import shutil
 
+import numpy as np
 import pytest
 import tvm
 from tvm import relax, te, tirx
@@ -65,7 +66,7 @@ def test_what_is_not_a_tensor_core_matmul_is_left_alone(caplog):
     caplog.set_level(logging.DEBUG, logger="tvm_ext.tensorize")
     assert matmul.apply(legalized_matmul(64, 64, 64, "float32", "float32"), matmul.default_knobs()) is None
     assert match_mma(legalized_matmul(64, 64, 64, "float32", "float32")) is None  # fp32 operands
-    assert match_mma(scheduled(legalized_matmul(256, 512, 128), warp_m=8, block_m=32)) is None
+    assert match_mma(scheduled(legalized_matmul(256, 512, 128), warp_m=8, block_m=32, vec=4)) is None
     assert "warp tile (8, 64, 16)" in caplog.text
     softmax = tvm_ext.pipeline.fused_reduce_functions(_softmax(), tvm_ext.parse_target(CUDA_TARGET))
     assert match_mma(next(iter(softmax.values()))) is None
@@ -122,3 +123,94 @@ def _realizes(func) -> dict:
     found = []
     tvm_ffi.structural_walk(func.body, (SBlockRealize, found.append), order="pre")
     return {r.block.name_hint: r for r in found}
+
+
+def _calls(func) -> list:
+    import tvm_ffi  # noqa: PLC0415
+
+    found = []
+    tvm_ffi.structural_walk(func.body, (tvm.ir.expr.Call, lambda c: found.append(str(c.op.name))), order="pre")
+    return found
+
+
+def test_lane_loops_are_scaled_to_the_warp_tile():
+    from tvm_ext.tensorize import _loops_and_bindings, scale_lane_loops  # noqa: PLC0415
+
+    func = scheduled(legalized_matmul(256, 512, 128))  # thread_n = 2: a lane's 2 columns -> the warp's 64
+    found = match_mma(func)
+    scaled = scale_lane_loops(func, found)
+    update = next(r.block for name, r in _realizes(scaled).items() if name == "matmul_update")
+    loops, bound = _loops_and_bindings(scaled, update)
+    assert [int(lp.extent) for lp in loops if lp.thread_binding is None][-2:] == [16, 64]  # rows, warp's columns
+    assert not _uses(_realizes(scaled)["matmul_update"], found.lane)
+    assert [int(lp.extent) for lp in _loops_and_bindings(func, found.block)[0] if lp.thread_binding is None][-2:] == [16, 2]
+
+
+@pytest.mark.parametrize("case", ["fp16", "weight [n, k]", "int8", "32x64x32 warp tile"])
+def test_every_fragment_block_becomes_a_wmma_intrinsic(case):
+    from tvm_ext.tensorize import auto_tensorize  # noqa: PLC0415
+
+    func = {"fp16": lambda: scheduled(legalized_matmul(256, 512, 128)),
+            "weight [n, k]": lambda: scheduled(linear(128, 256, 64)),
+            "int8": lambda: scheduled(legalized_matmul(256, 512, 128, "int8", "int32")),
+            "32x64x32 warp tile": lambda: scheduled(legalized_matmul(256, 512, 128), block_m=128, warp_m=32,
+                                                    block_k=32)}[case]()
+    tensorized = auto_tensorize(func)
+    calls = _calls(tensorized)
+    for builtin in ("tirx.tvm_fill_fragment", "tirx.tvm_mma_sync", "tirx.tvm_store_matrix_sync"):
+        assert calls.count(builtin) == 1, builtin
+    assert calls.count("tirx.tvm_load_matrix_sync") == 2
+    scopes = {b.scope() for b in _allocated(tensorized)}
+    assert {"wmma.matrix_a", "wmma.matrix_b", "wmma.accumulator", "shared"} == scopes  # no register copies left
+    lib = tvm.compile(tvm.IRModule({"main": tensorized.with_attr("global_symbol", "main")}),
+                      target=tvm_ext.parse_target(CUDA_TARGET))
+    src = lib.mod.imports[0].inspect_source()
+    for call in ("fill_fragment", "load_matrix_sync", "mma_sync", "store_matrix_sync"):
+        assert f"nvcuda::wmma::{call}(" in src
+    assert ("nvcuda::wmma::col_major" in src) == (case == "weight [n, k]")
+    assert ("matrix_a, 16, 16, 16, signed char" in src) == (case == "int8")
+    if shutil.which("nvcc"):
+        with tvm_ext.parse_target(CUDA_TARGET):
+            assert bytes(nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")[:4]) == b"\x7fELF"
+
+
+def _allocated(func) -> list:
+    import tvm_ffi  # noqa: PLC0415
+    from tvm.s_tir.stmt import SBlock  # noqa: PLC0415
+
+    found = []
+    tvm_ffi.structural_walk(func.body, (SBlock, lambda b: found.extend(b.alloc_buffers)), order="pre")
+    return found
+
+
+def test_a_bf16_matmul_and_a_non_matmul_stay_plain(caplog):
+    from tvm_ext.tensorize import AutoTensorize, auto_tensorize  # noqa: PLC0415
+
+    caplog.set_level(logging.DEBUG, logger="tvm_ext.tensorize")
+    bf16 = scheduled(legalized_matmul(256, 512, 128, "bfloat16", "float32"))
+    assert match_mma(bf16) is not None and auto_tensorize(bf16).same_as(bf16)
+    assert "no 16x16x16 WMMA intrinsics for bfloat16" in caplog.text
+    softmax = next(iter(tvm_ext.pipeline.fused_reduce_functions(_softmax(), tvm_ext.parse_target(CUDA_TARGET)).values()))
+    mod = tvm.IRModule({"softmax": softmax, "mm": scheduled(legalized_matmul(256, 512, 128))})
+    after = AutoTensorize(mod)
+    assert after["softmax"].same_as(softmax) and "tirx.tvm_mma_sync" in _calls(after["mm"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["fp16", "weight [n, k]", "int8"])
+def test_tensorized_matmul_is_right_on_the_gpu(case, rng):
+    from tvm_ext.tensorize import auto_tensorize  # noqa: PLC0415
+
+    m, n, k = 256, 512, 128
+    func, dtype = {"fp16": (legalized_matmul(m, n, k), "float16"), "weight [n, k]": (linear(m, n, k), "float16"),
+                   "int8": (legalized_matmul(m, n, k, "int8", "int32"), "int8")}[case]
+    tensorized = auto_tensorize(scheduled(func)).with_attr("global_symbol", "main")
+    lib = tvm.compile(tvm.IRModule({"main": tensorized}), target=tvm_ext.parse_target("cuda"))
+    a = rng.integers(-4, 4, [m, k]).astype(dtype)
+    b = rng.integers(-4, 4, [n, k] if case == "weight [n, k]" else [k, n]).astype(dtype)
+    out_dtype = "int32" if dtype == "int8" else "float32"
+    dev = tvm.cuda()
+    args = [tvm.runtime.tensor(a, dev), tvm.runtime.tensor(b, dev), tvm.runtime.empty([m, n], out_dtype, dev)]
+    lib["main"](*args)
+    want = a.astype("int64") @ (b.T if case == "weight [n, k]" else b).astype("int64")
+    np.testing.assert_array_equal(args[2].numpy(), want.astype(out_dtype))

@@ -1,25 +1,32 @@
-"""Auto-tensorization, after PAI's TensorCore AutoCodeGen (seed 002): find the warp-level matrix
-multiply a thread-level schedule expresses, so that it can become tensor-core code.
+"""Auto-tensorization, after PAI's TensorCore AutoCodeGen (seed 002): a thread-level matmul
+schedule becomes tensor-core (WMMA) code without its writer knowing WMMA.
 
 The schedule writer tiles a matmul for ordinary CUDA threads (schedules/matmul.py); this module
-recognises what one warp computes there. Steps, each a function of its own:
+recognises what one warp computes there and hands it to the tensor cores. Steps, each a function:
 
 1. `match_mma`: the multiply-accumulate `c[i, j] = c[i, j] + cast(a[.]) * cast(b[.])` into a
    register accumulator, its operands low-precision register copies (fp16/bf16 -> fp32, int8 ->
    int32), the loops around it, the blocks that fill `a` and `b` from shared memory and the one
    that drains `c`; and that the 32 lanes of a warp together cover whole m x n x k = 16 x 16 x 16
    tiles: lanes own adjacent column groups (`j = ... + lane * per_lane + jj`), rows do not depend
-   on the lane.
+   on the lane. No match: None, with the reason at debug level; the function stays plain CUDA.
 2. `infer_fragments`: which operand is matrix_a (the one indexed by the output's row axis) and
    which matrix_b, and the major order of each (where that axis sits in its indices).
-
-No match: None, with the reason at debug level; the function then stays plain CUDA code.
 3. `unify_thread_indices`: inside the fragment blocks only (the accumulator's zeroing, the operand
    fills, the multiply-accumulate, the drain), every lane addresses its warp's tile origin:
    threadIdx.x -> 0 (threadIdx.y already numbers warps: blockDim.x is one warp); the
    shared-memory copies keep each thread's own indices.
+4. `scale_lane_loops`: each loop that walked one lane's `per_lane` columns now walks the warp's
+   32 * per_lane: with the lane at 0, the fragment blocks describe the whole warp tile, once.
+5. `emit_wmma`: the warp tile is cut into 16 x 16 x 16 steps and each fragment block becomes the
+   TVM 0.27 WMMA intrinsic of its role (`tvm_fill_fragment`, `tvm_load_matrix_sync`,
+   `tvm_mma_sync`, `tvm_store_matrix_sync` via `tvm.s_tir.tensor_intrin.cuda`), in the
+   `wmma.matrix_a` / `wmma.matrix_b` / `wmma.accumulator` scopes; codegen writes `nvcuda::wmma`.
+   The operand fills become fragment loads straight from shared memory (one per 16 x 16 tile:
+   the per-k register copies have no tensor-core counterpart). Everything else of the schedule
+   (block tiling, the cooperative shared-memory copies) is kept as it was.
 
-Still to come (issue 7): loop scaling and emitting the wmma intrinsics.
+`auto_tensorize(func)` runs the five; `AutoTensorize` is the same as a PrimFunc pass.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from dataclasses import dataclass
 
 import tvm
 import tvm_ffi
-from tvm import tirx
+from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 from tvm.s_tir.stmt import SBlock, SBlockRealize
 
@@ -38,7 +45,8 @@ from schedules.matmul import WARP, multiply_accumulate
 from .variants import substitute
 
 LOG = logging.getLogger(__name__)
-TILE = 16  # m = n = k of the wmma shape matched (16x16x16 exists for every type matmul.WIDER lists)
+INTRINSIC_DTYPES = ("float16", "int8")  # operand dtypes TVM 0.27 registers 16x16x16 WMMA intrinsics for
+TILE = 16  # m = n = k of the wmma shape matched
 
 
 @dataclass
@@ -133,6 +141,8 @@ def match_mma(func: tirx.PrimFunc, name: str = "main") -> MmaMatch | None:
     kk = inner_extent(bound[k])
     if _coefficient(bound[row], lane) != 0:
         return _no_match(name, "rows depend on the lane: the warp does not cover a tile")
+    if per_lane == 1:
+        return _no_match(name, "each lane owns one column: no loop to widen to the warp's columns")
     if _coefficient(bound[col], lane) != per_lane:
         return _no_match(name, "lanes do not own adjacent column groups")
     tile = (m, WARP * per_lane, kk)
@@ -190,3 +200,85 @@ def unify_thread_indices(func: tirx.PrimFunc, match: MmaMatch) -> tirx.PrimFunc:
         return SBlockRealize([substitute(v, origin) for v in realize.iter_values], realize.predicate, realize.block)
 
     return func.with_body(tvm_ffi.structural_map(func.body, (SBlockRealize, unify)))
+
+
+def scale_lane_loops(func: tirx.PrimFunc, match: MmaMatch) -> tirx.PrimFunc:
+    """Step 4 (after step 3 put every lane at the warp's origin): the serial loops of the fragment
+    blocks that stepped through one lane's columns (coefficient 1 in a binding that holds the lane)
+    run over all 32 lanes' columns."""
+    per_lane = match.warp_tile[1] // WARP
+    owned = set()
+    for blk in (match.init, match.block, match.drain, *match.fills.values()):
+        loops, bound = _loops_and_bindings(func, blk)
+        for expr in bound.values():
+            if _coefficient(expr, match.lane) not in (0, None):
+                owned |= {lp.loop_var for lp in loops if lp.thread_binding is None and int(lp.extent) == per_lane
+                          and _coefficient(expr, lp.loop_var) == 1}
+    unified = unify_thread_indices(func, match)
+
+    def scale(loop):
+        if loop.loop_var not in owned:
+            return loop
+        return tirx.For(loop.loop_var, loop.min, loop.extent * WARP, loop.kind, loop.body, loop.thread_binding,
+                        loop.annotations)
+
+    return unified.with_body(tvm_ffi.structural_map(unified.body, (tirx.For, scale)))
+
+
+def _intrinsics(match: MmaMatch, fragments: tuple) -> dict:
+    """The registered WMMA intrinsics for the operands' dtype and matrix_b's major order."""
+    from tvm.s_tir.tensor_intrin import cuda  # noqa: PLC0415 (importing registers them)
+
+    return cuda.get_wmma_intrin_group("shared", "global", str(match.a.source.dtype), str(match.c.dtype),
+                                      fragments[1].layout == "col_major")
+
+
+def emit_wmma(func: tirx.PrimFunc, match: MmaMatch, fragments: tuple) -> tirx.PrimFunc:
+    """Step 5 on a function after step 4: 16 x 16 x 16 steps, each fragment block one intrinsic."""
+    intrinsics = _intrinsics(match, fragments)
+    sch = s_tir.Schedule(func)
+    update = sch.get_sblock(match.block.name_hint)
+    for fragment in fragments:  # the update reads shared memory directly; fragment loads replace the fills
+        sch.compute_inline(sch.get_sblock(match.fills[fragment.buffer].name_hint))
+    reads = [r.source for r in sch.get(update).reads]
+    *_, k, rows, cols = sch.get_loops(update)
+    k_tiles, k_in = sch.split(k, [None, TILE])
+    row_tiles, row_in = sch.split(rows, [None, TILE])
+    col_tiles, col_in = sch.split(cols, [None, TILE])
+    sch.reorder(k_tiles, row_tiles, col_tiles, row_in, col_in, k_in)
+    for fragment in fragments:
+        shared = match.fills[fragment.buffer].reads[0].source
+        load = sch.cache_read(update, next(i for i, b in enumerate(reads) if b.same_as(shared)), f"wmma.{fragment.role}")
+        sch.compute_at(load, k_tiles)
+        sch.tensorize(_tile(sch, load), intrinsics[f"load_{fragment.role[-1]}"])
+    sch.set_scope(sch.get_sblock(match.init.name_hint), 0, "wmma.accumulator")
+    sch.tensorize(row_in, intrinsics["compute"])
+    sch.tensorize(_tile(sch, sch.get_sblock(match.init.name_hint)), intrinsics["init"])
+    sch.tensorize(_tile(sch, sch.get_sblock(match.drain.name_hint)), intrinsics["store"])
+    return sch.mod["main"]
+
+
+def _tile(sch, block):
+    """Cuts the block's two inner loops into 16 x 16 tiles; the loop over one tile's rows."""
+    rows, cols = sch.get_loops(block)[-2:]
+    row_tiles, row_in = sch.split(rows, [None, TILE])
+    col_tiles, col_in = sch.split(cols, [None, TILE])
+    sch.reorder(row_tiles, col_tiles, row_in, col_in)
+    return row_in
+
+
+def auto_tensorize(func: tirx.PrimFunc, name: str = "main") -> tirx.PrimFunc:
+    """The five steps; `func` unchanged when step 1 finds no warp-level mma."""
+    match = match_mma(func, name)
+    if match is None:
+        return func
+    if str(match.a.source.dtype) not in INTRINSIC_DTYPES:
+        _no_match(name, f"TVM 0.27 has no {TILE}x{TILE}x{TILE} WMMA intrinsics for {match.a.source.dtype} operands")
+        return func
+    return emit_wmma(scale_lane_loops(func, match), match, infer_fragments(match))
+
+
+@tirx.transform.prim_func_pass(opt_level=0, name="TVMExtAutoTensorize")
+def AutoTensorize(func: tirx.PrimFunc, _mod, _ctx) -> tirx.PrimFunc:  # noqa: N802 (a pass, named like TVM's)
+    """`auto_tensorize` on every PrimFunc of a module."""
+    return auto_tensorize(func, str(func.attrs.get("global_symbol", "main")) if func.attrs else "main")
