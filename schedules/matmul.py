@@ -13,6 +13,7 @@ registers; C accumulates in registers.
 
 from __future__ import annotations
 
+import tvm
 from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 
@@ -75,6 +76,9 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     wm, tn = int(knobs["warp_m"]), int(knobs["thread_n"])
     vec, pad = int(knobs.get("vec", 1)), int(knobs.get("pad", 0))
     m, n, k = (int(x.dom.extent) for x in sch.get(block).iter_vars)
+    itemsize = tvm.DataType(str(multiply_accumulate(sch.get(block).body)[0].source.dtype)).bits // 8
+    if any((row + pad) * itemsize % 16 for row in (bk, bn)):
+        return None  # padded shared rows must stay 16-byte aligned (vector copies; WMMA loads need it)
     if bm % wm or bn != WARP * tn or m % bm or n % bn or k % bk or (bm * bk) % (vec * WARP * bm // wm) \
             or (bk * bn) % (vec * WARP * bm // wm):
         return None  # tiles must divide the problem, the warp must span the block's columns, copies the tiles

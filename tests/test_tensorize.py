@@ -62,6 +62,11 @@ def test_larger_warp_tiles_and_k_steps():
     assert found.warp_tile == (32, 64, 32)
 
 
+def test_int8_rows_padded_off_16_bytes_are_refused():
+    assert matmul.apply(legalized_matmul(256, 512, 128, "int8", "int32"), matmul.default_knobs()) is None  # 24 bytes
+    assert matmul.apply(legalized_matmul(256, 512, 128, "int8", "int32"), {**matmul.default_knobs(), "pad": 16})
+
+
 def test_what_is_not_a_tensor_core_matmul_is_left_alone(caplog):
     caplog.set_level(logging.DEBUG, logger="tvm_ext.tensorize")
     assert matmul.apply(legalized_matmul(64, 64, 64, "float32", "float32"), matmul.default_knobs()) is None
@@ -152,7 +157,7 @@ def test_every_fragment_block_becomes_a_wmma_intrinsic(case):
 
     func = {"fp16": lambda: scheduled(legalized_matmul(256, 512, 128)),
             "weight [n, k]": lambda: scheduled(linear(128, 256, 64)),
-            "int8": lambda: scheduled(legalized_matmul(256, 512, 128, "int8", "int32")),
+            "int8": lambda: scheduled(legalized_matmul(256, 512, 128, "int8", "int32"), pad=16),
             "32x64x32 warp tile": lambda: scheduled(legalized_matmul(256, 512, 128), block_m=128, warp_m=32,
                                                     block_k=32)}[case]()
     tensorized = auto_tensorize(func)
@@ -204,7 +209,7 @@ def test_tensorized_matmul_is_right_on_the_gpu(case, rng):
     m, n, k = 256, 512, 128
     func, dtype = {"fp16": (legalized_matmul(m, n, k), "float16"), "weight [n, k]": (linear(m, n, k), "float16"),
                    "int8": (legalized_matmul(m, n, k, "int8", "int32"), "int8")}[case]
-    tensorized = auto_tensorize(scheduled(func)).with_attr("global_symbol", "main")
+    tensorized = auto_tensorize(scheduled(func, pad=16 if dtype == "int8" else 8)).with_attr("global_symbol", "main")
     lib = tvm.compile(tvm.IRModule({"main": tensorized}), target=tvm_ext.parse_target("cuda"))
     a = rng.integers(-4, 4, [m, k]).astype(dtype)
     b = rng.integers(-4, 4, [n, k] if case == "weight [n, k]" else [k, n]).astype(dtype)
