@@ -101,6 +101,11 @@ def module(name: str, shape: list, dtype: str):
     dims = [tirx.Var(d, "int64") if isinstance(d, str) else d for d in shape]
     params = [relax.Var("x", relax.TensorType(dims, dtype))] + [
         relax.Var(k, relax.TensorType(dims if k == "r" else dims[-1:], dtype)) for k in extra]
+    return main_module(body, params)
+
+
+def main_module(body, params: list):
+    """`main(*params)` returning `body(bb, *params)`, in one dataflow block."""
     bb = relax.BlockBuilder()
     with bb.function("main", params):
         with bb.dataflow():

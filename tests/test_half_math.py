@@ -13,13 +13,7 @@ from tvm_ext.half_math import half_math_in_float
 
 
 def _module(body, shapes: list, dtype: str = "float16") -> tvm.IRModule:
-    params = [relax.Var(f"x{i}", relax.TensorType(s, dtype)) for i, s in enumerate(shapes)]
-    bb = relax.BlockBuilder()
-    with bb.function("main", params):
-        with bb.dataflow():
-            out = bb.emit_output(body(bb, *params))
-        bb.emit_func_output(out)
-    return bb.get()
+    return spelled.main_module(body, [relax.Var(f"x{i}", relax.TensorType(s, dtype)) for i, s in enumerate(shapes)])
 
 
 def _run_llvm(mod, *arrays) -> np.ndarray:
