@@ -12,8 +12,6 @@ point over the best (what a 0-trial transfer would get).
 
 from __future__ import annotations
 
-import argparse
-import json
 
 import numpy as np
 import tvm
@@ -22,7 +20,7 @@ from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
 import schedules
 from bench.measure_spaces import measured, table_tasks
-from bench.report import write_json_and_markdown
+from bench.report import table_cli
 from search.cost_model import CostModel
 from search.features import candidate_features
 
@@ -76,12 +74,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--table", required=True)
-    ap.add_argument("--out", required=True, help="path prefix: writes .json and .md")
-    args = ap.parse_args(argv)
-    result = compare(json.load(open(args.table)))
-    write_json_and_markdown(args.out, result, markdown(result))
+    table_cli(argv, __doc__, compare, markdown)
     return 0
 
 

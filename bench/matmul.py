@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 
-import tvm  # before torch (field guide)
-import torch
-from triton.testing import do_bench
+import tvm
 from tvm import relax
 from tvm.runtime.vm import VirtualMachine
 
 import tvm_ext
 from bench.report import write_json_and_markdown
+from bench.spelled import main_module
 from schedules import matmul
 from tvm_ext.tensorize import auto_tensorize
 
@@ -31,18 +30,14 @@ TILINGS = [  # block_m, warp_m, thread_n (block_n = 32 * thread_n), block_k
 ]
 
 
-def relax_matmul(m: int, n: int, k: int) -> tvm.IRModule:
-    bb = relax.BlockBuilder()
-    a, b = relax.Var("a", relax.TensorType([m, k], "float16")), relax.Var("b", relax.TensorType([k, n], "float16"))
-    with bb.function("main", [a, b]):
-        with bb.dataflow():
-            out = bb.emit_output(relax.op.matmul(a, b, out_dtype="float32"))
-        bb.emit_func_output(out)
-    return bb.get()
+def relax_matmul(m: int, n: int, k: int, dtype: str = "float16", out: str = "float32") -> tvm.IRModule:
+    a, b = relax.Var("a", relax.TensorType([m, k], dtype)), relax.Var("b", relax.TensorType([k, n], dtype))
+    return main_module(lambda bb, a, b: relax.op.matmul(a, b, out_dtype=out), [a, b])
 
 
-def template_func(m: int, n: int, k: int):
-    mod = relax.transform.LegalizeOps()(relax_matmul(m, n, k))
+def template_func(m: int, n: int, k: int, dtype: str = "float16", out: str = "float32"):
+    """The legalized matmul PrimFunc the template schedules."""
+    mod = relax.transform.LegalizeOps()(relax_matmul(m, n, k, dtype, out))
     return next(f for gv, f in mod.functions_items() if gv.name_hint != "main")
 
 
@@ -61,6 +56,9 @@ def tflops(m, n, k, us) -> float:
 
 
 def run_shape(m: int, n: int, k: int, target) -> dict:
+    import torch  # noqa: PLC0415 (after tvm, as the field guide says; the CPU tests import this module)
+    from triton.testing import do_bench  # noqa: PLC0415
+
     a = torch.randn(m, k, device="cuda", dtype=torch.float16)
     b = torch.randn(k, n, device="cuda", dtype=torch.float16)
     want = torch.matmul(a, b)
@@ -120,6 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="path prefix: writes .json and .md")
     ap.add_argument("--shapes", default="", help="comma-separated MxNxK (default: the issue's five)")
     args = ap.parse_args(argv)
+    import torch  # noqa: PLC0415
+
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     target = tvm_ext.parse_target("cuda")
     rows = []

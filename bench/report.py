@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -108,3 +109,16 @@ def write_reports(json_path: str) -> str:
 
 if __name__ == "__main__":
     print(write_reports(sys.argv[1]))
+
+
+def table_cli(argv, doc: str, analyse, markdown_of, out_help: str = "path prefix: writes .json and .md") -> tuple:
+    """The command line of a bench that reads a measured space table (bench.measure_spaces) and
+    writes PREFIX.json / PREFIX.md: (its --out prefix, the result)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--table", required=True)
+    ap.add_argument("--out", required=True, help=out_help)
+    args = ap.parse_args(argv)
+    with open(args.table, encoding="utf-8") as f:
+        result = analyse(json.load(f))
+    write_json_and_markdown(args.out, result, markdown_of(result))
+    return args.out, result

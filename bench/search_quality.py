@@ -11,14 +11,13 @@ for each hidden shape; that point's latency is compared with what 64 trials find
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 
 import numpy as np
 
 from bench.measure_spaces import measured, table_tasks
-from bench.report import write_json_and_markdown
+from bench.report import table_cli
 from search.cost_model import CostModel
 from search.features import candidate_features
 from search.measure import Result
@@ -133,13 +132,8 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--table", required=True)
-    ap.add_argument("--out", required=True, help="path prefix: writes .json, .md and .png")
-    args = ap.parse_args(argv)
-    result = judge(json.load(open(args.table)))
-    write_json_and_markdown(args.out, result, markdown(result))
-    plot(result, args.out + ".png")
+    out, result = table_cli(argv, __doc__, judge, markdown, "path prefix: writes .json, .md and .png")
+    plot(result, out + ".png")
     return 0
 
 

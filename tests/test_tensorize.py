@@ -1,4 +1,4 @@
-"""Auto-tensorization, steps 1-2: what a warp computes in the thread-level matmul template."""
+"""Auto-tensorization: each of the five steps on the thread-level matmul template, the pass, and the GPU."""
 
 import logging
 import shutil
@@ -10,20 +10,11 @@ from tvm import relax, te, tirx
 from tvm.support import nvcc
 
 import tvm_ext
+from bench.matmul import template_func as legalized_matmul
+from bench.spelled import main_module
 from conftest import CUDA_TARGET
 from schedules import matmul
 from tvm_ext.tensorize import infer_fragments, match_mma
-
-
-def legalized_matmul(m, n, k, dtype="float16", out="float32"):
-    bb = relax.BlockBuilder()
-    a, b = relax.Var("a", relax.TensorType([m, k], dtype)), relax.Var("b", relax.TensorType([k, n], dtype))
-    with bb.function("main", [a, b]):
-        with bb.dataflow():
-            out_var = bb.emit_output(relax.op.matmul(a, b, out_dtype=out))
-        bb.emit_func_output(out_var)
-    mod = relax.transform.LegalizeOps()(bb.get())
-    return next(f for gv, f in mod.functions_items() if gv.name_hint != "main")
 
 
 def linear(m, n, k):
@@ -78,13 +69,7 @@ def test_what_is_not_a_tensor_core_matmul_is_left_alone(caplog):
 
 
 def _softmax():
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType([64, 256], "float16"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            out = bb.emit_output(relax.op.nn.softmax(x))
-        bb.emit_func_output(out)
-    return bb.get()
+    return main_module(lambda bb, x: relax.op.nn.softmax(x), [relax.Var("x", relax.TensorType([64, 256], "float16"))])
 
 
 def test_the_plain_template_builds_to_cuda_without_tensor_cores():

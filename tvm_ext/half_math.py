@@ -16,7 +16,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from .reduce_fusion import _rewrite_bindings
+from .reduce_fusion import rewrite_bindings
 
 HALF = ("float16", "bfloat16")
 _ELEMENTWISE = ("add", "subtract", "multiply", "divide", "power", "exp", "log", "sqrt", "rsqrt", "tanh",
@@ -24,7 +24,6 @@ _ELEMENTWISE = ("add", "subtract", "multiply", "divide", "power", "exp", "log", 
 ELEMENTWISE = [tvm.ir.Op.get(f"relax.{name}") for name in _ELEMENTWISE]
 ACCUMULATING = [tvm.ir.Op.get("relax.sum"), tvm.ir.Op.get("relax.mean")]
 SELECTING = [tvm.ir.Op.get("relax.max"), tvm.ir.Op.get("relax.min")]
-ASTYPE = relax.op.astype
 
 
 def _is(call, ops) -> bool:
@@ -56,8 +55,8 @@ def _row_chain(bindings: list) -> set:
 
 
 def _in_float(call: relax.Call, dtype: str) -> relax.Expr:
-    args = [ASTYPE(a, "float32") if _half(a) else a for a in call.args]
-    return ASTYPE(relax.Call(call.op, args, call.attrs, call.ty_args), dtype)
+    args = [relax.op.astype(a, "float32") if _half(a) else a for a in call.args]
+    return relax.op.astype(relax.Call(call.op, args, call.attrs, call.ty_args), dtype)
 
 
 def _rewrite(func: relax.Function):
@@ -71,4 +70,4 @@ def _rewrite(func: relax.Function):
 @tvm.transform.module_pass(opt_level=0, name="TVMExtHalfMathInFloat")
 def half_math_in_float(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     """See the module docstring."""
-    return relax.transform.Normalize()(_rewrite_bindings(mod, _rewrite))
+    return relax.transform.Normalize()(rewrite_bindings(mod, _rewrite))

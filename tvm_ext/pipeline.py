@@ -26,10 +26,10 @@ from schedules.analysis import is_reduce_subgraph
 from schedules.grid_reduce import ZEROED_INPUTS
 
 from . import welford
+from .half_math import half_math_in_float
 from .legalize import legalizations
 from .narrowing import narrow_indices
 from .records import Database
-from .half_math import half_math_in_float
 from .reduce_fusion import FuseReduceGroups, max_from_top_one
 from .variants import rewrite_call_sites
 

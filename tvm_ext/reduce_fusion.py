@@ -340,7 +340,7 @@ class FuseReduceGroups:
         return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(builder.get()))
 
 
-def _rewrite_bindings(mod: tvm.IRModule, rewriter) -> tvm.IRModule:
+def rewrite_bindings(mod: tvm.IRModule, rewriter) -> tvm.IRModule:
     """`mod` with each Relax function's bindings passed through `rewriter(func)` (a function of
     one binding, or None to leave that function alone)."""
     builder = relax.BlockBuilder(mod)
@@ -360,8 +360,8 @@ def max_from_top_one(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     max-with-indices to topk): where only the values are used, it becomes the max (min) reduction
     it is, which legalizes to one reduction and fuses (a spelled-out softmax: 1 kernel, not 7)."""
     mod = relax.transform.DeadCodeElimination()(relax.transform.CanonicalizeBindings()(
-        _rewrite_bindings(mod, _forward_tuple_items)))
-    return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(_rewrite_bindings(mod, _top_one_as_max)))
+        rewrite_bindings(mod, _forward_tuple_items)))
+    return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(rewrite_bindings(mod, _top_one_as_max)))
 
 
 def _is_top_one(call) -> bool:
