@@ -15,6 +15,7 @@ import os
 import time
 
 import numpy as np
+from tqdm import tqdm
 from tvm.target import Target
 
 import tvm_ext
@@ -34,6 +35,8 @@ HIDDEN = [
     {"id": "rowsum-256x65536-f32", "op": "row_sum", "shape": [256, 65536], "dtype": "float32"},
     {"id": "colsum-65536x2048-f32", "op": "col_sum", "shape": [65536, 2048], "dtype": "float32"},
 ]
+
+CHUNK = 8  # points measured per call
 
 
 def table_tasks(table: dict) -> tuple[Target, dict]:
@@ -60,10 +63,11 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="")
     ap.add_argument("--hidden", action="store_true", help="also the shapes outside the public suite")
     ap.add_argument("--target", default="cuda")
+    ap.add_argument("--timeout", type=float, default=20.0, help="seconds a candidate may take to build or run")
     args = ap.parse_args(argv)
     target = tvm_ext.parse_target(args.target)
     table = json.load(open(args.out)) if os.path.exists(args.out) else {"target": str(target), "cases": {}}
-    with Measurer(target) as measurer:
+    with Measurer(target, timeout=args.timeout) as measurer:
         table["copy_gbps"] = measurer.copy_gbps()
         for case in cases(args.cases, args.hidden):
             if case["id"] in table["cases"]:
@@ -71,7 +75,14 @@ def main(argv=None) -> int:
             (task,) = extract_tasks(relax_module(case["op"], case["shape"], case["dtype"]), target)
             points = knob_space(task.func, target)
             start = time.monotonic()
-            results = measurer.measure(task.func, points)
+            results = []
+            with tqdm(total=len(points), desc=case["id"]) as bar:
+                for first in range(0, len(points), CHUNK):  # in chunks: progress, and errors as they come
+                    results += measurer.measure(task.func, points[first:first + CHUNK])
+                    bar.update(len(results) - bar.n)
+                    for r in results[first:]:
+                        if r.error:
+                            bar.write(f"{case['id']} {r.knobs}: {r.error}")
             table["cases"][case["id"]] = {"case": case, "key": task.key, "hidden": case in HIDDEN,
                                           "seconds": time.monotonic() - start,
                                           "points": [{"knobs": r.knobs, "us": r.us, "error": r.error} for r in results]}

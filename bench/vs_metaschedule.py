@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -114,6 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default="cuda", help="'cuda' (this GPU), 'llvm', or a target as JSON")
     ap.add_argument("--suite", default=SUITE)
     args = ap.parse_args(argv)
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("search").setLevel(logging.INFO)  # our tuner's build/run time split
     target = json.loads(args.target) if args.target.startswith("{") else args.target
     suite = {c["id"]: c for c in load_suite(args.suite)}
     unknown = [i for i in args.cases.split(",") if i not in suite]

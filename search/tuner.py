@@ -9,6 +9,7 @@ At the end the cost model is retrained on the whole log and saved beside it.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from .measure import Measurer, task_bytes
 from .scheduler import tune
 from .strategy import TaskSearch
 from .tasks import extract_tasks
+
+logger = logging.getLogger(__name__)
 
 
 def model_path(log: str) -> str:
@@ -75,6 +78,8 @@ def tune_model(mod, target, trials: int, log: str, resume: bool = False, warm_st
     with Measurer(target, builders=builders, timeout=timeout) as measurer:
         tune(searches, measurer.measure, max(0, trials - spent), prior, progress)
         copy = measurer.copy_gbps()
+        logger.info("measurement: %.1f s building, %.1f s checking and timing", measurer.seconds["build"],
+                  measurer.seconds["run"])
     if os.path.getsize(log):
         model = CostModel().fit(logged_groups(read_records(log)))
         if model.booster is not None:
