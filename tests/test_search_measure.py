@@ -93,3 +93,19 @@ def test_a_library_built_elsewhere_is_checked_and_timed_like_a_candidate(tmp_pat
         missing = measurer.time_library(t.func, str(tmp_path / "missing.so"))
     assert good.error is None and good.best_us > 0
     assert missing.us == [] and missing.error
+
+
+def test_bf16_layer_norm_reference_is_right(tmp_path):
+    """The reference of a bf16 Welford LayerNorm built for the GPU: TVM's CPU bf16 lowering gets such
+    reductions wrong (max error 17.7), so every GPU candidate failed its check before the fix."""
+    import numpy as np  # noqa: PLC0415
+    import tvm  # noqa: PLC0415
+
+    from conftest import CUDA_TARGET  # noqa: PLC0415
+    from search.measure import _expected  # noqa: PLC0415
+
+    (t,) = extract_tasks(relax_module("layer_norm", [256, 512], "bfloat16"), tvm_ext.parse_target(CUDA_TARGET))
+    expected = _expected(tvm.ir.save_json(t.func), {}, tvm.cpu(), str(tmp_path))
+    x, g, b = (a.numpy().astype("float64") for a in expected.inputs)
+    want = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5) * g + b
+    assert np.abs(expected.want.reshape(want.shape) - want).max() < 0.1
