@@ -2,10 +2,12 @@
 
     python scripts/tune.py --model transformer_norms --target cuda --trials 64 --log tuning_logs/norms.json
     python scripts/tune.py --model suite:ln-8192x4096-f16 --target llvm --trials 8 --log tuning_logs/ln.json
+    python scripts/tune.py --model torch:bert-seq128 --target cuda --trials 64 --log tuning_logs/bert.json
     python scripts/tune.py --model my_model.py ... --resume          # continue an interrupted run
 
-MODEL: an example model (examples/NAME.py), `suite` (every public benchmark case), `suite:ID`
-(one case of bench/suite.json), or a Python file defining build_module() -> tvm.IRModule.
+MODEL: an example model (examples/NAME.py), `torch:NAME` (a PyTorch model of
+examples/torch_models.py, e.g. torch:llama-seq512; needs PyTorch), `suite` (every public benchmark
+case), `suite:ID` (one case of bench/suite.json), or a Python file defining build_module() -> tvm.IRModule.
 Then: tvm_ext.build(mod, target, database="tuning_logs/NAME.json").
 """
 
@@ -32,10 +34,18 @@ def load_model(name: str):
         if unknown:
             raise SystemExit(f"tune.py: no suite case {unknown[0]!r}; cases: {', '.join(cases)}")
         return [relax_module(cases[w]["op"], cases[w]["shape"], cases[w]["dtype"]) for w in wanted]
+    if name.startswith("torch:"):  # a PyTorch model of examples/torch_models.py (needs PyTorch)
+        import tvm_ext  # noqa: PLC0415
+        from examples.torch_models import CONFIGS, make  # noqa: PLC0415
+
+        if name[6:] not in CONFIGS:
+            raise SystemExit(f"tune.py: no PyTorch model {name[6:]!r}; models: {', '.join(CONFIGS)}")
+        return tvm_ext.from_torch(*make(name[6:]))
     path = name if name.endswith(".py") else os.path.join(EXAMPLES, f"{name}.py")
     if not os.path.isfile(path):
-        examples = sorted(f[:-3] for f in os.listdir(EXAMPLES) if f.endswith(".py") and f != "__init__.py")
-        raise SystemExit(f"tune.py: no model {name!r}: expected one of {examples}, suite, suite:ID, or a .py file")
+        examples = sorted(f[:-3] for f in os.listdir(EXAMPLES)
+                          if f.endswith(".py") and f not in ("__init__.py", "torch_models.py"))
+        raise SystemExit(f"tune.py: no model {name!r}: expected one of {examples}, torch:NAME, suite, suite:ID, or a .py file")
     spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -177,3 +177,14 @@ def test_schedule_that_fails_in_lowering_falls_back(monkeypatch):
     with pytest.warns(UserWarning, match=r"tvm_ext: softmax: InternalError: .*falling back to TVM's default schedule"):
         ex = tvm_ext.build(relax_module("softmax", [8, 300], "float32"), CUDA_TARGET)
     assert tvm_ext.cuda_kernels(ex) == ["softmax_kernel"]  # TVM's rules built the original function
+
+
+def test_log_from_another_target_is_not_applied_and_says_so(tmp_path):
+    """Records written for sm_80 must not schedule an sm_90 build: heuristic schedules, one warning."""
+    mod, name, func = _layer_norm_task(CUDA_TARGET)
+    log = tmp_path / "log.jsonl"
+    a100 = tvm_ext.parse_target({"kind": "cuda", "arch": "sm_80"})
+    append_record(log, func, a100, name, {"strategy": "block_row", "threads": 64, "vec": 4, "cache": False}, us=10.0)
+    with pytest.warns(UserWarning, match="no records for target cuda-sm_90"):
+        src = tvm_ext.cuda_source(tvm_ext.build(mod, CUDA_TARGET, database=log))
+    assert "__launch_bounds__(64)" not in src and src == tvm_ext.cuda_source(tvm_ext.build(mod, CUDA_TARGET))

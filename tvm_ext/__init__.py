@@ -5,6 +5,7 @@ the Welford reducers (so that a process that only schedules, e.g. a tuner's work
 """
 
 from .api import build, export
+from .frontend import UnsupportedOperatorError, from_torch
 from .introspect import cuda_kernels, cuda_source
 from .passes import register_tir_pass, unregister_tir_pass
 from .pipeline import PIPELINE, register, tvm_ext_pipeline
@@ -15,6 +16,6 @@ from . import welford
 register()
 welford.register()
 
-__all__ = ["PIPELINE", "build", "cuda_kernels", "cuda_source", "export", "load", "parse_target", "register_tir_pass", "tvm_ext_pipeline",
-           "unregister_tir_pass"]
+__all__ = ["PIPELINE", "UnsupportedOperatorError", "build", "cuda_kernels", "cuda_source", "export", "from_torch", "load",
+           "parse_target", "register_tir_pass", "tvm_ext_pipeline", "unregister_tir_pass"]
 __version__ = "0.1.0"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import tvm
-from tvm import relax, tirx, topi
+from tvm import relax, te, tirx, topi
 
 from . import welford
 
@@ -122,6 +122,29 @@ def _batch_norm_training(algorithm: str):
     return legalize
 
 
+def _instance_norm(algorithm: str):
+    """Instance norm over `axes`, per `channel_axis`: the frontend's form of PyTorch's training-mode
+    batch norm (axes (0, 2, 3)). TVM's own computes the variance as E[x^2] - E[x]^2 in the same
+    loop as the normalisation; here the statistics are one reduction kernel, as for batch norm."""
+
+    def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+        attrs = call.attrs
+        rank = len(call.args[0].ty.shape.values)
+        axes = sorted(int(a) % rank for a in attrs.axes)
+        mean, var = _statistics(bb, call, call.args[0], lambda x: x, axes, algorithm, "instance_norm_statistics")
+        param_shape = [call.args[0].ty.shape.values[i] if i == int(attrs.channel_axis) % rank else 1
+                       for i in range(rank)]
+
+        def instance_norm(x, gamma, beta, mean, var):
+            kept = [1 if i in axes else x.shape[i] for i in range(rank)]
+            return _normalize(x, mean, var, float(attrs.epsilon), kept, gamma if attrs.scale else None,
+                              beta if attrs.center else None, param_shape)
+
+        return bb.call_te(instance_norm, *call.args, mean, var, primfunc_name_hint="instance_norm")
+
+    return legalize
+
+
 class _GroupedView:
     """x with its channel axis read as (groups, channels per group), indexed without a tensor of
     its own: a reshape (or a copy block) between x and the statistics reduction keeps TVM from
@@ -168,6 +191,21 @@ def _group_norm(algorithm: str):
     return legalize
 
 
+def legalize_full(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """relax.full / full_like. TVM 0.27's own legalization hands TOPI the dtype as a PrimType and
+    fails ("argument of type 'PrimType' is not iterable"); PyTorch's causal masks come through it."""
+    dtype = str(call.ty.dtype)
+    shape = call.args[0].ty.shape if call.op.name == "relax.full_like" else call.args[0]
+    if not isinstance(shape, relax.ShapeExpr):
+        raise ValueError(f"{call.op.name} with a shape known only at run time is not supported")
+    fill = call.args[1]
+    if isinstance(fill, tvm.ir.expr.GenericConst):
+        value = tirx.const(fill.value.numpy().item(), dtype)
+        return bb.call_te(lambda: te.compute(shape.values, lambda *_: value, name="T_full"), primfunc_name_hint="full")
+    return bb.call_te(lambda f: te.compute(shape.values, lambda *_: f().astype(dtype), name="T_full"), fill,
+                      primfunc_name_hint="full")
+
+
 VARIANCE_ALGORITHMS = ("welford", "two_pass", "one_pass")
 
 
@@ -183,7 +221,8 @@ def legalizations(variance: str = "welford") -> dict:
         raise ValueError(f"unknown variance algorithm {variance!r}: expected one of {VARIANCE_ALGORITHMS}")
     table = {"relax.nn.softmax": _softmax_float32_accumulate, "relax.nn.layer_norm": _layer_norm_float32(variance),
              "relax.std": _std(variance), "relax.nn.batch_norm": _batch_norm_training(variance),
-             "relax.nn.group_norm": _group_norm(variance)}
+             "relax.nn.group_norm": _group_norm(variance), "relax.full": legalize_full, "relax.full_like": legalize_full,
+             "relax.nn.instance_norm": _instance_norm(variance)}
     if variance != "two_pass":
         table["relax.variance"] = _variance(variance)
     return table

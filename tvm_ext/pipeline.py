@@ -51,6 +51,8 @@ class ScheduleReductions:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         target = Target.current()
+        if self.database:
+            self.database.warn_if_foreign(target)
         dispatch, replaced, builder = {}, [], relax.BlockBuilder(mod)
         for gv, func in list(mod.functions_items()):
             if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False) or not is_reduce_subgraph(func):

@@ -82,6 +82,7 @@ class Database:
 
     path: str
     best: dict = field(default_factory=dict)  # key -> (us, knobs)
+    targets: set = field(default_factory=set)  # target_name of every record
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Database":
@@ -92,9 +93,17 @@ class Database:
         """The best successful record per key of `records` (read from `path`)."""
         db = cls(os.fspath(path))
         for rec in records:
+            db.targets.add(rec.get("target"))
             if rec.get("error") is None and (rec["key"] not in db.best or rec["us"] < db.best[rec["key"]][0]):
                 db.best[rec["key"]] = (float(rec["us"]), rec["knobs"])
         return db
+
+    def warn_if_foreign(self, target: Target) -> None:
+        """One warning when the log holds records, none of them for `target` (their keys cannot
+        match, so the heuristic schedules everything: say so rather than pretend it was tuned)."""
+        if self.targets and target_name(target) not in self.targets:
+            warnings.warn(f"tvm_ext: tuning log {self.path} has no records for target {target_name(target)} (it has "
+                          f"{', '.join(sorted(map(str, self.targets)))}); using heuristic schedules", stacklevel=2)
 
     def lookup(self, func: tirx.PrimFunc, target: Target) -> dict | None:
         entry = self.best.get(task_key(func, target))

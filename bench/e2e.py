@@ -1,0 +1,179 @@
+"""Whole PyTorch models on this GPU: ours vs TVM's default pipeline vs torch eager vs torch.compile.
+
+    python -m bench.e2e --models llama-seq512,bert-seq128,resnet-train-bn --out bench/results/NAME \
+        [--database LOG] [--dynamic-seq 1,77,512,2048]
+
+Each model of `examples/torch_models.py` is imported with `tvm_ext.from_torch`, built with the
+tvm_ext pipeline (tuned when --database is given) and with TVM's default pipeline (dlight rules;
+given only our fix for relax.full, which it cannot legalize),
+and timed with torch eager and torch.compile in this one process on the same input (medians of
+`triton.testing.do_bench`, L2 flushed). Outputs are checked against eager. Per kernel of ours
+(torch.profiler): time and, for the fused reduce kernels, GB/s. --dynamic-seq builds the LLaMA layer once
+with a symbolic sequence length and runs it at each length. Writes NAME.json and NAME.md; results
+are written after each model, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+
+sys.modules["torch"] = None  # keep PyTorch out of TVM's import (tvm_ffi pulls it in when it can):
+import tvm  # noqa: E402  (import TVM before torch: the field guide)
+import tvm.s_tir.tensor_intrin  # noqa: E402,F401  dlight's matmul rule imports these ~500 TVMScript
+del sys.modules["torch"]  # functions, each scanning sys.modules: 40 s here alone, 115 s after PyTorch's
+
+import tvm_ext  # noqa: E402
+from tvm import relax  # noqa: E402
+from tvm_ext.legalize import legalize_full  # noqa: E402
+
+import torch  # noqa: E402  pylint: disable=wrong-import-order
+
+from bench.run import max_err, time_us, tvm_callable
+from examples.torch_models import make
+from search.measure import task_bytes
+from search.tasks import extract_tasks
+
+REPEATS = 5  # profiled calls per model
+
+
+def kernel_breakdown(fn, mod, target, args) -> list[dict]:
+    """Our kernels' average device times as CUPTI sees them (torch.profiler traces every kernel of the
+    process; TVM's VM has no profiler in 0.27), with GB/s for the fused reduce ones (bytes of their
+    parameters). A kernel of function F is named F_kernel (F_kernel_1, ... for several)."""
+    reduce_bytes = {t.name: task_bytes(t.func) for t in extract_tasks(mod, target)}
+    fn(*args)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPEATS):
+            fn(*args)
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        us = getattr(event, "device_time", None) or getattr(event, "cuda_time", 0.0)  # mean per call
+        if not us:
+            continue
+        row = {"kernel": event.key, "us": us, "calls": event.count / REPEATS}
+        func = event.key.split("_kernel")[0]
+        if func in reduce_bytes:
+            row["gbps"] = reduce_bytes[func] / us / 1e3
+        rows.append(row)
+    return sorted(rows, key=lambda r: -r["us"] * r["calls"])
+
+
+def with_full_legalized(mod):
+    """`mod` with only its relax.full calls legalized (our fix): TVM 0.27's own legalization of them
+    fails, so its default pipeline cannot build a model with a causal mask otherwise."""
+    fix = {"relax.full": legalize_full, "relax.full_like": legalize_full}
+    return relax.transform.LegalizeOps(fix)(mod) if "relax.full" in mod.script() else mod
+
+
+def run_model(name: str, database: str | None, log) -> dict:
+    module, x = make(name)
+    mod = tvm_ext.from_torch(copy.deepcopy(module), x)  # from CPU tensors: the frontend copies weights out
+    module, x = module.cuda(), x.cuda()
+    with torch.no_grad():
+        ref = module(x)
+        target = tvm_ext.parse_target("cuda")
+        impls, built, result = {"torch_eager": module}, {}, {"model": name, "shape": list(x.shape),
+                                                             "dtype": str(x.dtype), "impls": {}}
+        for impl, build in {"ours": lambda: tvm_ext.build(mod, target, database=database),
+                            "tvm_default": lambda: tvm.compile(with_full_legalized(mod), target=target),
+                            "torch_compile": lambda: torch.compile(module, dynamic=False)}.items():
+            started = time.perf_counter()
+            try:
+                built[impl] = build()
+                impls[impl] = built[impl] if impl == "torch_compile" else tvm_callable(built[impl])
+            except Exception as err:  # one failing implementation must not sink the table
+                result["impls"][impl] = {"error": str(err).splitlines()[0][:300]}
+            result.setdefault("build_s", {})[impl] = round(time.perf_counter() - started, 1)
+        for impl, fn in impls.items():
+            try:
+                out = fn(x)
+                out = out[0] if isinstance(out, tuple) and len(out) == 1 else out
+                torch.cuda.synchronize()
+                result["impls"][impl] = {"us": time_us(fn, [x]), "max_abs_err": max_err(out, ref)}
+            except Exception as err:
+                result["impls"][impl] = {"error": str(err).splitlines()[0][:300]}
+            log(f"{name} {impl}: {result['impls'][impl]}")
+        for impl in ("ours", "tvm_default"):
+            if impl in built:
+                result["impls"][impl]["kernels"] = len(tvm_ext.cuda_kernels(built[impl]))
+        if "ours" in built:
+            result["breakdown"] = kernel_breakdown(impls["ours"], mod, target, [x])
+    return result
+
+
+def run_dynamic(lengths: list[int], database: str | None, log) -> dict:
+    """The LLaMA layer compiled once with a symbolic sequence length, run at each length."""
+    module, x = make("llama-seq512")
+    mod = tvm_ext.from_torch(copy.deepcopy(module), x, dynamic={0: {1: "seq"}})
+    module, x = module.cuda(), x.cuda()
+    out = {"model": "llama-dynamic-seq", "runs": []}
+    with torch.no_grad():
+        fn = tvm_callable(tvm_ext.build(mod, "cuda", database=database))
+        for n in lengths:
+            xi = torch.randn(1, n, x.shape[-1], device="cuda").to(x.dtype)
+            ref = module(xi)
+            got = fn(xi)[0]
+            run = {"seq": n, "us": time_us(fn, [xi]), "eager_us": time_us(module, [xi]), "max_abs_err": max_err(got, ref)}
+            out["runs"].append(run)
+            log(f"dynamic seq {run}")
+    return out
+
+
+def markdown(results: list[dict]) -> str:
+    lines = ["| model | ours us | TVM default us | torch eager us | torch.compile us | vs torch.compile | vs TVM default | "
+             "kernels ours/TVM | ours err |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in (r for r in results if "impls" in r):
+        us = {k: v.get("us") for k, v in r["impls"].items()}
+        cell = lambda k: f"{us[k]:.1f}" if us.get(k) else r["impls"].get(k, {}).get("error", "-")[:40]  # noqa: E731
+        ratio = lambda k: f"{us[k] / us['ours']:.2f}x" if us.get(k) and us.get("ours") else "-"  # noqa: E731
+        kernels = f"{r['impls'].get('ours', {}).get('kernels', '-')}/{r['impls'].get('tvm_default', {}).get('kernels', '-')}"
+        err = r["impls"].get("ours", {}).get("max_abs_err")
+        lines.append(f"| {r['model']} | {cell('ours')} | {cell('tvm_default')} | {cell('torch_eager')} | "
+                     f"{cell('torch_compile')} | {ratio('torch_compile')} | {ratio('tvm_default')} | {kernels} | "
+                     f"{'-' if err is None else f'{err:.3g}'} |")
+    for r in (r for r in results if "breakdown" in r):
+        lines += ["", f"Our kernels in {r['model']} (torch.profiler, most time first; GB/s for fused reduce kernels):", "",
+                  "| kernel | us | GB/s |", "|---|---|---|"]
+        lines += [f"| {k['kernel']} | {k['us']:.1f} | {k['gbps']:.0f} |" if "gbps" in k else
+                  f"| {k['kernel']} | {k['us']:.1f} | - |" for k in r["breakdown"][:12]]
+    for r in (r for r in results if "runs" in r):
+        lines += ["", "LLaMA layer compiled once with a symbolic sequence length:", "",
+                  "| seq | ours us | torch eager us | max abs err |", "|---|---|---|---|"]
+        lines += [f"| {x['seq']} | {x['us']:.1f} | {x['eager_us']:.1f} | {x['max_abs_err']:.3g} |" for x in r["runs"]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="llama-seq512,bert-seq128,resnet-train-bn")
+    ap.add_argument("--out", required=True, help="path prefix: writes .json and .md")
+    ap.add_argument("--database", default=None, help="tuning log for our build")
+    ap.add_argument("--dynamic-seq", default="", help="sequence lengths for the symbolic-length LLaMA layer")
+    args = ap.parse_args(argv)
+    results = []
+
+    def save():
+        with open(args.out + ".json", "w", encoding="utf-8") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tvm": tvm.__version__,
+                       "results": results}, f, indent=1)
+        with open(args.out + ".md", "w", encoding="utf-8") as f:
+            f.write(markdown(results) + "\n")
+
+    for name in args.models.split(","):
+        results.append(run_model(name, args.database, print))
+        save()
+    if args.dynamic_seq:
+        results.append(run_dynamic([int(n) for n in args.dynamic_seq.split(",")], args.database, print))
+        save()
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

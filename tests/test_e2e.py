@@ -1,0 +1,76 @@
+"""Real PyTorch architectures end to end on the CPU: import, build, run, export, deploy.
+
+Small twins of the benchmarked models (examples/torch_models.py), so the path a user takes is tested
+here; the full sizes run on the GPU (bench/e2e.py). Needs PyTorch, an optional extra: without it
+this module is skipped (CI's environment has none), and says so.
+"""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import tvm
+from tvm.runtime.vm import VirtualMachine
+
+import tvm_ext
+from conftest import CUDA_TARGET
+
+torch = pytest.importorskip("torch")
+from examples.torch_models import make  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_llvm(executable, x):
+    out = VirtualMachine(executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
+    return (out if hasattr(out, "numpy") else out[0]).numpy()
+
+
+@pytest.mark.parametrize("name, reduce_kernels", [  # a layer's two norms share one kernel (same function)
+    ("llama-tiny", {"power_mean": 1, "softmax": 1}),  # RMSNorm (statistics and weight) and softmax: one each
+    ("bert-tiny", {"layer_norm": 1, "softmax": 1}),
+    ("resnet-tiny-train-bn", {"instance_norm_statistics": 1}),  # batch statistics over (N, H, W) in one kernel
+    ("resnet-tiny-folded-bn", {"statistics": 0})])
+def test_model_matches_pytorch_and_its_norms_are_our_kernels(name, reduce_kernels):
+    module, x = make(name)
+    with torch.no_grad():
+        want = module(x).numpy()
+    mod = tvm_ext.from_torch(module, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fused function may fall back to TVM's schedules
+        kernels = tvm_ext.cuda_kernels(tvm_ext.build(mod, CUDA_TARGET))
+    for pattern, count in reduce_kernels.items():
+        assert sum(pattern in k for k in kernels) == count, kernels
+    np.testing.assert_allclose(run_llvm(tvm_ext.build(mod, "llvm"), x), want, rtol=1e-4, atol=1e-4)
+
+
+def test_llama_with_symbolic_sequence_runs_every_length_from_one_build():
+    module, x = make("llama-tiny")
+    executable = tvm_ext.build(tvm_ext.from_torch(module, x, dynamic={0: {1: "seq"}}), "llvm")
+    for n in (1, 7, 32, 45):
+        xi = torch.randn(1, n, x.shape[-1])
+        with torch.no_grad():
+            want = module(xi).numpy()
+        np.testing.assert_allclose(run_llvm(executable, xi), want, rtol=1e-4, atol=1e-4)
+
+
+def test_an_op_the_frontend_cannot_import_is_named():
+    class Bessel(torch.nn.Module):
+        def forward(self, x):
+            return torch.special.i0(x).softmax(-1)
+
+    with pytest.raises(tvm_ext.UnsupportedOperatorError, match="i0.default") as err:
+        tvm_ext.from_torch(Bessel(), torch.randn(4, 8))
+    assert err.value.ops == ["i0.default"]
+
+
+def test_deploy_demo_runs_the_exported_model_with_the_runtime_alone(tmp_path):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "deploy_demo.py"), "--model", "bert-tiny",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "runtime-only run" in done.stdout and (tmp_path / "bert-tiny.so").is_file()
+    error = float(done.stdout.split("max abs error ")[1].split()[0])
+    assert error < 1e-4
