@@ -83,7 +83,6 @@ def test_fp16_model_imports_with_fp16_matmul_outputs():
     with torch.no_grad():
         want = module(x).numpy()
     mod = tvm_ext.from_torch(module.half(), x.half())
-    assert str(mod["main"].ret_type.dtype if hasattr(mod["main"], "ret_type") else "") in ("float16", "")
     got = run_llvm(tvm_ext.build(mod, "llvm"), x.half())
     assert got.dtype == np.float16
     np.testing.assert_allclose(got.astype("float32"), want, atol=2e-2)
