@@ -69,8 +69,14 @@ def estimated_registers(pattern: ReducePattern) -> int:
 def stage_is_bounded(pattern: ReducePattern, rows_per_block: int) -> bool:
     """Whether TVM can size a shared-memory stage of `rows_per_block` rows by the block's rows: with a
     symbolic row count and several rows per block it sizes it by the whole tensor instead (seen on
-    the H200: the example model's n x 512 stage failed to launch at n = 77)."""
-    return rows_per_block == 1 or const_int(pattern.row_count) is not None
+    the H200: the example model's n x 512 stage failed to launch at n = 77); with rows spread over
+    several non-unit dims (attention scores, 8 x 12 x 128 rows) it bounds each dim separately, with
+    extents that are not constant, and the stage cannot be bound to threads (BERT's softmax fell back)."""
+    if rows_per_block == 1:
+        return True
+    sch = pattern.sch
+    row_dims = [const_int(sch.get(loop).extent) for loop in sch.get_loops(pattern.blocks[-1].block_rv)[:pattern.num_spatial]]
+    return const_int(pattern.row_count) is not None and sum(d != 1 for d in row_dims) <= 1
 
 
 def worth_caching(pattern: ReducePattern, rows_per_block: int = 1) -> bool:

@@ -1,6 +1,7 @@
 """The heuristic's choices for a table of shapes, and what each choice looks like in CUDA."""
 
 import re
+import warnings
 
 import pytest
 from tvm import relax
@@ -98,3 +99,18 @@ def test_a_proposal_its_strategy_refuses_falls_through_to_the_next(monkeypatch):
     monkeypatch.setattr(warp_row, "apply", lambda *args: None)
     (plan,) = plans("softmax", [4096, 1000], "float16").values()
     assert [k["strategy"] for _, k in plan] == ["block_row"]
+
+
+def test_attention_softmax_over_several_row_dims_builds_with_our_schedule():
+    """BERT's scores (batch x heads x queries rows): a shared-memory stage of several rows spread over
+    those dims could not be bound to threads, and the softmax fell back to TVM's schedule on the H200."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([8, 12, 128, 128], "float16"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit_output(bb.emit(relax.op.nn.softmax(x, axis=-1)))
+        bb.emit_func_output(y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernels = tvm_ext.cuda_kernels(tvm_ext.build(bb.get(), CUDA_TARGET))
+    assert len(kernels) == 1 and "softmax" in kernels[0]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
-from tvm import tirx
+from tvm import relax, tirx
 from tvm.runtime.vm import VirtualMachine
 
 import tvm_ext
@@ -107,3 +107,19 @@ def test_narrowing_can_be_switched_off_and_the_option_is_checked():
     assert tvm_ext.cuda_kernels(ex) == ["layer_norm_kernel"]
     with pytest.raises(ValueError, match="narrow_index must be True or False, not 'yes'"):
         tvm_ext.build(relax_module("layer_norm", ["n", 4096], "float16"), CUDA_TARGET, narrow_index="yes")
+
+
+def test_tvm_tensor_core_matmuls_keep_int64_and_build():
+    """TVM's int32 rewrite broke dlight's WMMA matmuls (int64 vs int32 in the fragment offsets): an
+    fp16 LLaMA layer failed to build. Only our own kernels are narrowed now."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([512, 256], "float16"))
+    w = relax.Var("w", relax.TensorType([256, 256], "float16"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.astype(relax.op.matmul(x, w, out_dtype="float32"), "float16"))
+            out = bb.emit_output(relax.op.nn.softmax(y, axis=-1))
+        bb.emit_func_output(out)
+    executable = tvm_ext.build(bb.get(), CUDA_TARGET)
+    assert "wmma::mma_sync" in tvm_ext.cuda_source(executable)
+    assert any("matmul" in k for k in tvm_ext.cuda_kernels(executable))

@@ -14,8 +14,8 @@ element counts of the buffers it touches and the number of threads it launches.
   site chooses on the run-time shape with an `if` in the VM's host code (tvm_ext/variants.py, the
   mechanism that also picks width classes): the check costs a compare, not a kernel.
 
-It runs in the Relax pipeline after every kernel is scheduled (ours and TVM's fallbacks alike),
-before the call sites are lowered.
+It runs in the Relax pipeline after every kernel is scheduled, on the kernels our templates
+scheduled (TVM's fallbacks keep TVM's own int64 indices), before the call sites are lowered.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from .variants import rewrite_call_sites
 LIMIT = 2**31  # int32 indices hold element counts below this
 SUFFIX = "_i32"
 NARROW = "tvm_ext.narrow_index"  # PrimFunc attr: rewrite this kernel's indices to int32
+OURS = "tvm_ext.scheduled"  # PrimFunc attr the pipeline sets on kernels a tvm_ext template scheduled
 
 
 def _product(dims):
@@ -79,5 +80,8 @@ def narrow_indices(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
 
 
 def _narrowable(func: tirx.PrimFunc) -> bool:
-    """TVM's rewrite narrows integer data too: a kernel with int64 tensors (argmax's indices) keeps int64."""
-    return not any(str(p.ty.dtype).startswith(("int", "uint")) for p in func.params if hasattr(p, "ty"))
+    """Only our own kernels: TVM's rewrite breaks dlight's tensor-core matmuls (int64 vs int32 in their
+    WMMA fragment offsets: a fp16 LLaMA layer failed to build). And TVM's rewrite narrows integer data
+    too: a kernel with int64 tensors (argmax's indices) keeps int64."""
+    return func.attrs.get(OURS, False) and not any(str(p.ty.dtype).startswith(("int", "uint"))
+                                                    for p in func.params if hasattr(p, "ty"))

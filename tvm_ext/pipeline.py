@@ -28,7 +28,7 @@ from schedules.grid_reduce import ZEROED_INPUTS
 from . import welford
 from .half_math import half_math_in_float
 from .legalize import legalizations
-from .narrowing import narrow_indices
+from .narrowing import OURS, narrow_indices
 from .records import Database
 from .reduce_fusion import FuseReduceGroups, max_from_top_one
 from .variants import rewrite_call_sites
@@ -71,7 +71,7 @@ class ScheduleReductions:
             if not kernels or any(sch is None for _, sch in kernels):
                 warnings.warn(f"tvm_ext: {gv.name_hint}: {why}; falling back to TVM's default schedule", stacklevel=2)
                 continue
-            scheduled = [(cond, sch.mod["main"].with_attr(SCHEDULED, True)) for cond, sch in kernels]
+            scheduled = [(cond, sch.mod["main"].with_attrs({SCHEDULED: True, OURS: True})) for cond, sch in kernels]
             if len(scheduled) == 1 and ZEROED_INPUTS not in (scheduled[0][1].attrs or {}):
                 builder.update_func(gv, scheduled[0][1])
                 continue
