@@ -65,10 +65,9 @@ def kernel_breakdown(fn, mod, target, args) -> list[dict]:
 
 
 def with_full_legalized(mod):
-    """`mod` with only its relax.full calls legalized (our fix): TVM 0.27's own legalization of them
-    fails, so its default pipeline cannot build a model with a causal mask otherwise."""
-    fix = {"relax.full": legalize_full, "relax.full_like": legalize_full}
-    return relax.transform.LegalizeOps(fix)(mod) if "relax.full" in mod.script() else mod
+    """`mod` legalized as TVM's default pipeline would, except relax.full, with our fix: TVM 0.27's own
+    legalization of it fails, so its default pipeline cannot build a model with a causal mask."""
+    return relax.transform.LegalizeOps({"relax.full": legalize_full, "relax.full_like": legalize_full})(mod)
 
 
 def run_model(name: str, database: str | None, log) -> dict:
