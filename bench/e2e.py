@@ -18,17 +18,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 import time
 
-sys.modules["torch"] = None  # keep PyTorch out of TVM's import (tvm_ffi pulls it in when it can):
-import tvm  # noqa: E402  (import TVM before torch: the field guide)
-import tvm.s_tir.tensor_intrin  # noqa: E402,F401  dlight's matmul rule imports these ~500 TVMScript
-del sys.modules["torch"]  # functions, each scanning sys.modules: 40 s here alone, 115 s after PyTorch's
-
-import tvm_ext  # noqa: E402
-from tvm import relax  # noqa: E402
-from tvm_ext.legalize import legalize_full  # noqa: E402
+import tvm  # import TVM before torch (see the field guide)
+import tvm_ext
+from tvm import relax
+from tvm_ext.legalize import legalize_full
 
 import torch  # noqa: E402  pylint: disable=wrong-import-order
 

@@ -31,6 +31,7 @@ from search.measure import Measurer
 from search.tasks import extract_tasks
 from search.tuner import tune_model
 from tvm_ext import welford
+from tvm_ext.intrinsics import import_tensor_intrinsics
 
 
 def ms_target(target) -> Target:
@@ -46,11 +47,10 @@ def ms_target(target) -> Target:
 def _prepare_builder_worker() -> None:
     """Run once in each builder process (MetaSchedule starts fresh ones for every batch), outside the
     30 s per-build timeout. `default_build` imports tvm.s_tir.tensor_intrin, which took 35 s on our CPU
-    machine, so inside the timeout every build of a batch timed out and tune_tir measured nothing.
-    The worker also needs our Welford reducers, as this process registered them when the task was
-    extracted, to lower cross-thread reductions of them."""
-    import tvm.s_tir.tensor_intrin  # noqa: F401,PLC0415
-
+    machine, so inside the timeout every build of a batch timed out and tune_tir measured nothing
+    (`import_tensor_intrinsics` makes it ~5 s). The worker also needs our Welford reducers, as this
+    process registered them when the task was extracted, to lower cross-thread reductions of them."""
+    import_tensor_intrinsics()
     welford.register()
 
 

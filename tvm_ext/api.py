@@ -7,6 +7,7 @@ import os
 import tvm
 from tvm import relax
 
+from .intrinsics import import_tensor_intrinsics
 from .passes import TIR_PIPELINE
 from .pipeline import tvm_ext_pipeline
 from .target import parse_target
@@ -28,6 +29,8 @@ def build(mod: tvm.IRModule, target, database=None, **options):
     """
     _check_module(mod)
     target = parse_target(target)
+    if "gpu" in target.keys:
+        import_tensor_intrinsics()  # dlight's matmul rule would import them, 10-25x slower
     pipeline = tvm_ext_pipeline(database, **options)
     return tvm.compile(mod, target=target, relax_pipeline=pipeline, tir_pipeline=TIR_PIPELINE)
 

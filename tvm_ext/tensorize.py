@@ -42,6 +42,7 @@ from tvm.s_tir.stmt import SBlock, SBlockRealize
 
 from schedules.matmul import WARP, multiply_accumulate
 
+from .intrinsics import import_tensor_intrinsics
 from .variants import substitute
 
 LOG = logging.getLogger(__name__)
@@ -227,7 +228,8 @@ def scale_lane_loops(func: tirx.PrimFunc, match: MmaMatch) -> tirx.PrimFunc:
 
 def _intrinsics(match: MmaMatch, fragments: tuple) -> dict:
     """The registered WMMA intrinsics for the operands' dtype and matrix_b's major order."""
-    from tvm.s_tir.tensor_intrin import cuda  # noqa: PLC0415 (importing registers them)
+    import_tensor_intrinsics()
+    from tvm.s_tir.tensor_intrin import cuda  # noqa: PLC0415
 
     return cuda.get_wmma_intrin_group("shared", "global", str(match.a.source.dtype), str(match.c.dtype),
                                       fragments[1].layout == "col_major")
