@@ -165,7 +165,7 @@ def _expected(func_json: str, dims: dict, device, scratch: str) -> _Expected:
             arrays = _arrays(func, dims)
             reference = _float32_inputs(func)
             lib = tvm.compile(tvm.IRModule({"main": reference.with_attr("global_symbol", "main")}), target="llvm")
-            args = [tvm.runtime.tensor(a.astype(str(p.ty.dtype))) for a, p in zip(arrays, reference.params)]
+            args = [tvm.runtime.tensor(a.astype(str(p.ty.dtype), copy=False)) for a, p in zip(arrays, reference.params)]
             lib["main"](*args)
             arrays[-1] = args[-1].numpy()
             np.savez(path + ".tmp.npz", **{f"a{i}": a for i, a in enumerate(arrays)})
@@ -293,9 +293,14 @@ class _Worker:
             return "error", f"timed out after {timeout:g} s"
         return None
 
-    def close(self, kill: bool = False) -> None:
-        if self.process.is_alive() and not kill:
+    def stop(self) -> None:
+        """Ask the worker to exit once its current job is done."""
+        if self.process.is_alive():
             self.jobs.put(None)
+
+    def close(self, kill: bool = False) -> None:
+        """Wait briefly for a stopped worker to exit (`kill`: not at all), then kill it if it has not."""
+        if not kill:
             self.process.join(2)
         if self.process.is_alive():
             self.process.kill()
@@ -369,8 +374,7 @@ class _Pool:
         """Ask every worker to stop, then wait for them together (each takes a while to tear TVM down)."""
         workers = self.workers + ([self.reserve] if self.reserve else [])
         for worker in workers:
-            if worker.process.is_alive():
-                worker.jobs.put(None)
+            worker.stop()
         for worker in workers:
             worker.close()
         self.workers, self.reserve = [], None
