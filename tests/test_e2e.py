@@ -24,8 +24,10 @@ from examples.torch_models import make  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_llvm(executable, x):
-    out = VirtualMachine(executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
+def run_model(executable, x, device=None):
+    """The model's output as numpy, run on `device` (the CPU by default)."""
+    device = device or tvm.cpu()
+    out = VirtualMachine(executable, device)["main"](tvm.runtime.tensor(x.numpy(), device))
     return (out if hasattr(out, "numpy") else out[0]).numpy()
 
 
@@ -44,7 +46,7 @@ def test_model_matches_pytorch_and_its_norms_are_our_kernels(name, reduce_kernel
         kernels = tvm_ext.cuda_kernels(tvm_ext.build(mod, CUDA_TARGET))
     for pattern, count in reduce_kernels.items():
         assert sum(pattern in k for k in kernels) == count, kernels
-    np.testing.assert_allclose(run_llvm(tvm_ext.build(mod, "llvm"), x), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(run_model(tvm_ext.build(mod, "llvm"), x), want, rtol=1e-4, atol=1e-4)
 
 
 def test_llama_with_symbolic_sequence_runs_every_length_from_one_build():
@@ -54,7 +56,7 @@ def test_llama_with_symbolic_sequence_runs_every_length_from_one_build():
         xi = torch.randn(1, n, x.shape[-1])
         with torch.no_grad():
             want = module(xi).numpy()
-        np.testing.assert_allclose(run_llvm(executable, xi), want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(run_model(executable, xi), want, rtol=1e-4, atol=1e-4)
 
 
 def test_an_op_the_frontend_cannot_import_is_named():
@@ -83,7 +85,7 @@ def test_fp16_model_imports_with_fp16_matmul_outputs():
     with torch.no_grad():
         want = module(x).numpy()
     mod = tvm_ext.from_torch(module.half(), x.half())
-    got = run_llvm(tvm_ext.build(mod, "llvm"), x.half())
+    got = run_model(tvm_ext.build(mod, "llvm"), x.half())
     assert got.dtype == np.float16
     np.testing.assert_allclose(got.astype("float32"), want, atol=2e-2)
 
@@ -97,9 +99,7 @@ def test_models_on_the_gpu_match_pytorch(name, dtype):
     module, x = make(name)
     module, x = module.to(dtype), x.to(dtype)
     mod = tvm_ext.from_torch(module, x)
-    vm = VirtualMachine(tvm_ext.build(mod, "cuda"), tvm.cuda(0))
-    out = vm["main"](tvm.runtime.tensor(x.numpy(), tvm.cuda(0)))
-    got = (out if hasattr(out, "numpy") else out[0]).numpy().astype("float32")
+    got = run_model(tvm_ext.build(mod, "cuda"), x, tvm.cuda(0)).astype("float32")
     with torch.no_grad():
         want = module.float()(x.float()).numpy()
     assert not np.isnan(got).any()

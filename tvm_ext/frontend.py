@@ -43,7 +43,7 @@ def _addmm(node, importer):
     """aten.addmm (linear with a bias on 2-D inputs, as export decomposes it): same fix as _linear."""
     if node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("beta", 1) != 1:
         return importer._addmm(node)  # scaled forms: TVM's own (fine for float32)
-    bias, a, b = (importer.env[arg] for arg in node.args[:3])
+    bias, a, b = importer.retrieve_args(node)[:3]
     return _rounded(importer, str(a.ty.dtype), relax.op.matmul(a, b, out_dtype="float32"), bias)
 
 
