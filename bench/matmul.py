@@ -24,10 +24,7 @@ from schedules import matmul
 from tvm_ext.tensorize import auto_tensorize
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16, 4096, 4096), (1024, 11008, 4096), (4096, 1000, 1024)]
-TILINGS = [  # block_m, warp_m, thread_n (block_n = 32 * thread_n), block_k
-    (128, 32, 2, 32), (128, 64, 2, 32), (128, 32, 4, 32), (64, 32, 2, 32), (256, 64, 2, 32), (128, 64, 2, 64),
-    (16, 16, 2, 64), (16, 16, 2, 128), (32, 16, 2, 64),
-]
+
 
 
 def relax_matmul(m: int, n: int, k: int, dtype: str = "float16", out: str = "float32") -> tvm.IRModule:
@@ -47,7 +44,8 @@ def build(func, knobs: dict, tensorize: bool, target):
         return None
     scheduled = sch.mod["main"]
     scheduled = auto_tensorize(scheduled) if tensorize else scheduled
-    lib = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}), target=target)
+    with tvm.transform.PassContext(config={"tirx.use_async_copy": True}):  # pipelined copies: cp.async
+        lib = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}), target=target)
     return lambda a, b, c: lib["main"](*[tvm.runtime.from_dlpack(x) for x in (a, b, c)])
 
 
@@ -73,9 +71,8 @@ def run_shape(m: int, n: int, k: int, target) -> dict:
 
     func = template_func(m, n, k)
     tried = []
-    for bm, wm, tn, bk in TILINGS:
-        knobs = {**matmul.default_knobs(), "block_m": bm, "warp_m": wm, "thread_n": tn, "block_n": 32 * tn,
-                 "block_k": bk}
+    for tiling in matmul.TILINGS:
+        knobs = matmul.tiling_knobs(*tiling)
         fn = build(func, knobs, True, target)
         if fn is not None:
             us, err = timed(fn)
@@ -100,7 +97,7 @@ def run_shape(m: int, n: int, k: int, target) -> dict:
 def table(rows: list, device: str) -> str:
     lines = [f"{device}; TFLOP/s = 2MNK / median time. Ours and plain: fp16 in, fp32 out; cuBLAS: fp16 in/out.", "",
              "| M x N x K | cuBLAS | ours (pass) | plain (no pass) | dlight | ours / cuBLAS | ours / dlight | "
-             "ours / plain | tiling (bm, wm, bn, bk) |", "|---|---|---|---|---|---|---|---|---|"]
+             "ours / plain | tiling (bm, wm, bn, bk, stages) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m, n, k = r["shape"]
         f = {key: tflops(m, n, k, r[f"{key}_us"]) for key in ("cublas", "ours", "plain", "dlight") if f"{key}_us" in r}
@@ -109,7 +106,7 @@ def table(rows: list, device: str) -> str:
         lines.append(f"| {m}x{n}x{k} | {f['cublas']:.0f} | {ours and f'{ours:.0f}' or r.get('ours_error')} | "
                      f"{f.get('plain', float('nan')):.0f} | {f['dlight']:.0f} | "
                      + " | ".join(f"{ours / f[x]:.2f}x" if ours and x in f else "-" for x in ("cublas", "dlight", "plain"))
-                     + f" | {t and (t['block_m'], t['warp_m'], t['block_n'], t['block_k'])} |")
+                     + f" | {t and (t['block_m'], t['warp_m'], t['block_n'], t['block_k'], t['stages'])} |")
     return "\n".join(lines)
 
 

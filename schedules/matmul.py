@@ -2,13 +2,15 @@
 
 `C[i, j] += cast(A[i, k]) * cast(B[k, j])` (fp16/bf16 in, fp32 out; int8 in, int32 out) is tiled
 as the PAI paper's schedule writer would: a block computes a `block_m x block_n` tile, its warps
-(`threadIdx.y`) split the rows into warp tiles of `warp_m` rows, and within a warp each lane
-(`threadIdx.x`, 32 of them) owns `thread_n` adjacent columns of every row of the warp tile. So a
-warp covers a `warp_m x 32 * thread_n` region of C: whole 16x16 tiles when `warp_m` is a multiple
-of 16 and 32 * thread_n of 16 — the mapping the pass relies on when it hands the region to one
-warp-wide mma. A and B pass through shared memory (`block_k` columns of A and rows of B per step,
-fetched by all threads together, `vec` elements per copy, rows padded by `pad` elements) and
-registers; C accumulates in registers.
+(`threadIdx.y`) form a grid of `block_m / warp_m` rows by `warp_n` columns of warp tiles, and
+within a warp each lane (`threadIdx.x`, 32 of them) owns `thread_n` adjacent columns of every row of
+the warp tile. So a warp covers a `warp_m x 32 * thread_n` region of C: whole 16x16 tiles when
+`warp_m` is a multiple of 16 and 32 * thread_n of 16 — the mapping the pass relies on when it hands
+the region to one warp-wide mma. A and B pass through shared memory (`block_k` columns of A and rows
+of B per step, fetched by all threads together, `vec` elements per copy, rows padded by `pad`
+elements) and registers; C accumulates in registers. With `stages` > 1 the shared-memory copies of
+the next `stages - 1` steps of k are in flight (asynchronous copies, `cp.async`) while the tensor
+cores work on the current one: TVM's software pipelining, which the pass keeps.
 """
 
 from __future__ import annotations
@@ -61,10 +63,27 @@ def _has_root(sch) -> bool:
     return True
 
 
+# (block_m, warp_m, thread_n, warp_n, block_k, stages): the tilings the heuristic, the tuner and the
+# matmul bench choose from; large output tiles first (more reuse of each shared-memory tile), then
+# the small ones that keep every SM busy when M or N is small.
+TILINGS = [
+    (128, 64, 2, 2, 32, 3), (128, 64, 2, 2, 32, 4), (128, 64, 2, 2, 64, 2), (128, 64, 2, 2, 64, 3),
+    (256, 64, 2, 2, 32, 3), (128, 64, 2, 4, 32, 3), (128, 32, 2, 4, 32, 3), (128, 32, 2, 2, 32, 3),
+    (128, 64, 2, 1, 64, 1), (64, 32, 2, 2, 32, 4), (64, 32, 2, 2, 64, 3), (32, 16, 2, 2, 64, 4),
+    (16, 16, 2, 2, 64, 4), (16, 16, 2, 4, 64, 4), (16, 16, 2, 1, 128, 1),
+]
+
+
+def tiling_knobs(block_m: int, warp_m: int, thread_n: int, warp_n: int, block_k: int, stages: int) -> dict:
+    return {**default_knobs(), "block_m": block_m, "warp_m": warp_m, "thread_n": thread_n, "warp_n": warp_n,
+            "block_n": warp_n * WARP * thread_n, "block_k": block_k, "stages": stages}
+
+
 def default_knobs() -> dict:
-    """64 x 64 tiles of 4 warps of 16 rows; 8-element (16-byte) shared-memory copies, rows padded by 8."""
-    return {"strategy": NAME, "block_m": 64, "block_n": 64, "block_k": 16, "warp_m": 16, "thread_n": 2, "vec": 8,
-            "pad": 8}
+    """64 x 64 tiles of 4 warps of 16 rows; 8-element (16-byte) shared-memory copies, rows padded by 8,
+    no pipelining."""
+    return {"strategy": NAME, "block_m": 64, "block_n": 64, "block_k": 16, "warp_m": 16, "thread_n": 2, "warp_n": 1,
+            "vec": 8, "pad": 8, "stages": 1}
 
 
 def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
@@ -73,28 +92,30 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
         return None
     sch, block = found
     bm, bn, bk = int(knobs["block_m"]), int(knobs["block_n"]), int(knobs["block_k"])
-    wm, tn = int(knobs["warp_m"]), int(knobs["thread_n"])
-    vec, pad = int(knobs.get("vec", 1)), int(knobs.get("pad", 0))
+    wm, tn, wn = int(knobs["warp_m"]), int(knobs["thread_n"]), int(knobs.get("warp_n", 1))
+    vec, pad, stages = int(knobs.get("vec", 1)), int(knobs.get("pad", 0)), int(knobs.get("stages", 1))
     m, n, k = (int(x.dom.extent) for x in sch.get(block).iter_vars)
     itemsize = tvm.DataType(str(multiply_accumulate(sch.get(block).body)[0].source.dtype)).bits // 8
     if any((row + pad) * itemsize % 16 for row in (bk, bn)):
         return None  # padded shared rows must stay 16-byte aligned (vector copies; WMMA loads need it)
-    if bm % wm or bn != WARP * tn or m % bm or n % bn or k % bk or (bm * bk) % (vec * WARP * bm // wm) \
-            or (bk * bn) % (vec * WARP * bm // wm):
-        return None  # tiles must divide the problem, the warp must span the block's columns, copies the tiles
-    warps = bm // wm
+    warps = bm // wm * wn
+    threads = warps * WARP
+    if bm % wm or bn != wn * WARP * tn or m % bm or n % bn or k % bk or (bm * bk) % (vec * threads) \
+            or (bk * bn) % (vec * threads) or stages < 1 or k // bk < stages:
+        return None  # tiles must divide the problem, the warps the block's tile, copies the tiles
     i, j, kk = sch.get_loops(block)
-    bi, ty, ii = sch.split(i, [None, warps, wm])
-    bj, tx, jj = sch.split(j, [None, WARP, tn])
+    bi, wy, ii = sch.split(i, [None, bm // wm, wm])
+    bj, wx, tx, jj = sch.split(j, [None, wn, WARP, tn])
     ko, ki = sch.split(kk, [None, bk])
-    sch.reorder(bi, bj, ty, tx, ko, ki, ii, jj)
+    sch.reorder(bi, bj, wy, wx, tx, ko, ki, ii, jj)
+    ty = sch.fuse(wy, wx)
     sch.bind(bi, "blockIdx.y")
     sch.bind(bj, "blockIdx.x")
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
     sch.reverse_compute_at(sch.cache_write(block, 0, "local"), tx)
     for index in (0, 1):  # A, then B: through shared memory (all threads fetch), then registers
-        shared = sch.cache_read(block, index, "shared")
+        shared = sch.cache_read(block, index, "shared.dyn")  # dynamic: pipelined tiles outgrow 48 KB
         sch.compute_at(shared, ko)
         fused = sch.fuse(*sch.get_loops(shared)[-2:])
         _, y, x, lanes = sch.split(fused, [None, warps, WARP, vec])
@@ -104,5 +125,9 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
         if pad:  # rows `pad` elements apart from the next bank pattern: fewer shared-memory bank conflicts
             sch.storage_align(shared, 0, axis=-2, factor=bk if index == 0 else bn, offset=pad)
         sch.compute_at(sch.cache_read(block, index, "local"), ki)
+    if stages > 1:  # ko's body: copy A, copy B, compute; the copies run `stages - 1` steps ahead
+        sch.annotate(ko, "software_pipeline_stage", [0, 0, stages - 1])
+        sch.annotate(ko, "software_pipeline_order", [0, 1, 2])
+        sch.annotate(ko, "software_pipeline_async_stages", [0])
     sch.decompose_reduction(block, ko)
     return sch

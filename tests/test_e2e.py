@@ -99,8 +99,25 @@ def test_models_on_the_gpu_match_pytorch(name, dtype):
     module, x = make(name)
     module, x = module.to(dtype), x.to(dtype)
     mod = tvm_ext.from_torch(module, x)
-    got = run_model(tvm_ext.build(mod, "cuda"), x, tvm.cuda(0)).astype("float32")
+    gpu = tvm_ext.build(mod, "cuda")
+    got = run_model(gpu, x, tvm.cuda(0)).astype("float32")
     with torch.no_grad():
         want = module.float()(x.float()).numpy()
-    assert not np.isnan(got).any()
-    np.testing.assert_allclose(got, want, atol=3e-2 if dtype == torch.float16 else 1e-3)
+    tolerance = 3e-2 if dtype == torch.float16 else 1e-3
+    if np.isnan(got).any() or not np.allclose(got, want, atol=tolerance):
+        inputs = [x.float().numpy().astype(str(x.dtype).removeprefix("torch."))]
+        where = tvm_ext.first_divergent_call(tvm_ext.trace_calls(gpu, tvm.cuda(0), *inputs),
+                                             tvm_ext.trace_calls(tvm_ext.build(mod, "llvm"), tvm.cpu(), *inputs),
+                                             rtol=tolerance, atol=tolerance)
+        pytest.fail(f"GPU output differs from PyTorch; first kernel that differs from the CPU build: {where}")
+
+
+def test_call_traces_name_the_first_kernel_that_differs():
+    module, x = make("llama-tiny")
+    executable = tvm_ext.build(tvm_ext.from_torch(module, x), "llvm")
+    trace = tvm_ext.trace_calls(executable, tvm.cpu(), x.numpy())
+    assert len(trace) > 10 and tvm_ext.first_divergent_call(trace, trace) is None
+    index, (name, tensors) = next((i, c) for i, c in enumerate(trace) if "softmax" in c[0])
+    broken = [*trace[:index], (name, [*tensors[:-1], np.full_like(tensors[-1], np.nan)]), *trace[index + 1:]]
+    found = tvm_ext.first_divergent_call(broken, trace)
+    assert found.startswith(f"call {index}: {name}, argument {len(tensors) - 1}") and "more NaN" in found

@@ -35,12 +35,12 @@ def test_the_warp_tile_of_the_template_is_matched():
     found = match_mma(scheduled(legalized_matmul(256, 512, 128)))
     assert found is not None and found.warp_tile == (16, 64, 16)  # 16 rows x 32 lanes * 2 columns, 16 of k
     assert (found.c.scope(), found.a.source.scope(), found.b.source.scope()) == ("local", "local", "local")
-    assert sorted(b.name for b in found.fills) == ["a_shared_local", "b_shared_local"]
-    assert all(blk.reads[0].source.scope() == "shared" for blk in found.fills.values())
+    assert sorted(b.name for b in found.fills) == ["a_shared.dyn_local", "b_shared.dyn_local"]
+    assert all(blk.reads[0].source.scope() == "shared.dyn" for blk in found.fills.values())
     assert found.drain.writes[0].source.scope() == "global"
     a, b = infer_fragments(found)
-    assert (a.role, a.layout, a.buffer.name) == ("matrix_a", "row_major", "a_shared_local")
-    assert (b.role, b.layout, b.buffer.name) == ("matrix_b", "row_major", "b_shared_local")
+    assert (a.role, a.layout, a.buffer.name) == ("matrix_a", "row_major", "a_shared.dyn_local")
+    assert (b.role, b.layout, b.buffer.name) == ("matrix_b", "row_major", "b_shared.dyn_local")
 
 
 def test_a_transposed_weight_is_a_col_major_matrix_b():
@@ -90,10 +90,10 @@ def test_thread_indices_are_unified_in_the_fragment_blocks_only():
     func = scheduled(legalized_matmul(256, 512, 128))
     found = match_mma(func)
     original, after = _realizes(func), _realizes(unify_thread_indices(func, found))
-    fragment = ["matmul_init", "matmul_update", "matmul_local", "a_shared_local", "b_shared_local"]
+    fragment = ["matmul_init", "matmul_update", "matmul_local", "a_shared.dyn_local", "b_shared.dyn_local"]
     assert all(_uses(original[name], found.lane) for name in ("matmul_init", "matmul_update", "matmul_local"))
     assert not any(_uses(after[name], found.lane) for name in fragment)
-    for copy in ("a_shared", "b_shared"):  # cooperative copies keep every thread's own indices
+    for copy in ("a_shared.dyn", "b_shared.dyn"):  # cooperative copies keep every thread's own indices
         assert tvm_ffi.structural_equal(after[copy].iter_values, original[copy].iter_values)
 
 
@@ -151,7 +151,7 @@ def test_every_fragment_block_becomes_a_wmma_intrinsic(case):
         assert calls.count(builtin) == 1, builtin
     assert calls.count("tirx.tvm_load_matrix_sync") == 2
     scopes = {b.scope() for b in _allocated(tensorized)}
-    assert {"wmma.matrix_a", "wmma.matrix_b", "wmma.accumulator", "shared"} == scopes  # no register copies left
+    assert {"wmma.matrix_a", "wmma.matrix_b", "wmma.accumulator", "shared.dyn"} == scopes  # no register copies left
     lib = tvm.compile(tvm.IRModule({"main": tensorized.with_attr("global_symbol", "main")}),
                       target=tvm_ext.parse_target(CUDA_TARGET))
     src = lib.mod.imports[0].inspect_source()

@@ -48,6 +48,7 @@ from .variants import substitute
 LOG = logging.getLogger(__name__)
 INTRINSIC_DTYPES = ("float16", "int8")  # operand dtypes TVM 0.27 registers 16x16x16 WMMA intrinsics for
 TILE = 16  # m = n = k of the wmma shape matched
+SHARED = ("shared", "shared.dyn")
 
 
 @dataclass
@@ -150,7 +151,7 @@ def match_mma(func: tirx.PrimFunc, name: str = "main") -> MmaMatch | None:
     if any(extent % TILE for extent in tile):
         return _no_match(name, f"warp tile {tile} is not made of {TILE}x{TILE}x{TILE} tiles")
     fills = {x.source: next((blk for blk in blocks if any(w.source.same_as(x.source) for w in blk.writes)
-                             and all(r.source.scope() == "shared" for r in blk.reads)), None) for x in (a, b)}
+                             and all(r.source.scope() in SHARED for r in blk.reads)), None) for x in (a, b)}
     drain = next((blk for blk in blocks if any(r.source.same_as(store.buffer) for r in blk.reads)
                   and not blk.same_as(block)), None)
     init = next((blk for blk in blocks if not blk.reads and any(w.source.same_as(store.buffer) for w in blk.writes)),
@@ -231,7 +232,8 @@ def _intrinsics(match: MmaMatch, fragments: tuple) -> dict:
     import_tensor_intrinsics()
     from tvm.s_tir.tensor_intrin import cuda  # noqa: PLC0415
 
-    return cuda.get_wmma_intrin_group("shared", "global", str(match.a.source.dtype), str(match.c.dtype),
+    shared = next(iter(match.fills.values())).reads[0].source.scope()
+    return cuda.get_wmma_intrin_group(shared, "global", str(match.a.source.dtype), str(match.c.dtype),
                                       fragments[1].layout == "col_major")
 
 
