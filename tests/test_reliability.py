@@ -51,3 +51,21 @@ def test_zero_and_one_sized_dims_build_and_match(op, shape, rng):
     got = run(op, shape, arrays)
     assert got.shape == tuple(shape)
     np.testing.assert_allclose(got, expected(op, arrays), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("exponent, products", [(2.0, True), (3.0, True), (0.5, False)])
+def test_whole_powers_are_products_because_cuda_builds_use_fast_math(exponent, products, rng):
+    """TVM builds CUDA with --use_fast_math, where powf(x, 2) is exp2(2 * log2(x)): NaN for x < 0.
+    LLaMA's RMSNorm squares with pow, and every output of our LLaMA layer was NaN on the H200."""
+    from tvm import relax  # noqa: PLC0415
+
+    from bench.spelled import main_module  # noqa: PLC0415
+
+    x = relax.Var("x", relax.TensorType([ROWS, WIDTH], "float32"))
+    mod = main_module(lambda bb, x: relax.op.power(x, relax.const(exponent, "float32")), [x])
+    source = tvm_ext.cuda_source(tvm_ext.build(mod, CUDA_TARGET))
+    assert ("powf" not in source) == products and "__global__" in source
+    data = rng.standard_normal([ROWS, WIDTH]).astype("float32")
+    data = np.abs(data) if exponent == 0.5 else data
+    out = VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(data))
+    np.testing.assert_allclose((out if hasattr(out, "numpy") else out[0]).numpy(), data ** exponent, rtol=1e-6)

@@ -206,6 +206,28 @@ def legalize_full(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
                       primfunc_name_hint="full")
 
 
+def legalize_power(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """x ** c for a constant whole c from 1 to 4 as a product of x's, as PyTorch computes it.
+
+    TVM compiles CUDA with --use_fast_math, where powf is __powf, exp2(c * log2(x)): NaN for every
+    negative x, even for x ** 2 (LLaMA's RMSNorm squares its input with pow: all its outputs were
+    NaN on the GPU). Other exponents keep TVM's legalization.
+    """
+    exponent = call.args[1]
+    if isinstance(exponent, tvm.ir.expr.GenericConst) and exponent.value.numpy().size == 1:
+        c = float(exponent.value.numpy().item())
+        if c.is_integer() and 1 <= c <= MAX_PRODUCT_EXPONENT:
+            def power(x):
+                y = x
+                for _ in range(int(c) - 1):
+                    y = topi.multiply(y, x)
+                return topi.cast(y, str(call.ty.dtype))
+
+            return bb.call_te(power, call.args[0], primfunc_name_hint="power")
+    return tvm.ir.Op.get("relax.power").get_attr("FLegalize")(bb, call)
+
+
+MAX_PRODUCT_EXPONENT = 4
 VARIANCE_ALGORITHMS = ("welford", "two_pass", "one_pass")
 
 
@@ -222,7 +244,7 @@ def legalizations(variance: str = "welford") -> dict:
     table = {"relax.nn.softmax": _softmax_float32_accumulate, "relax.nn.layer_norm": _layer_norm_float32(variance),
              "relax.std": _std(variance), "relax.nn.batch_norm": _batch_norm_training(variance),
              "relax.nn.group_norm": _group_norm(variance), "relax.full": legalize_full, "relax.full_like": legalize_full,
-             "relax.nn.instance_norm": _instance_norm(variance)}
+             "relax.power": legalize_power, "relax.nn.instance_norm": _instance_norm(variance)}
     if variance != "two_pass":
         table["relax.variance"] = _variance(variance)
     return table
