@@ -15,6 +15,8 @@ cores work on the current one: TVM's software pipelining, which the pass keeps.
 
 from __future__ import annotations
 
+import math
+
 import tvm
 from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
@@ -22,6 +24,8 @@ from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 NAME = "matmul"
 WARP = 32
 WIDER = {"float16": "float32", "bfloat16": "float32", "int8": "int32"}  # input dtype -> accumulator dtype
+STATIC_SHARED = 48 * 1024  # bytes of static shared memory a block may declare
+TENSOR_CORE_DTYPES = ("float16", "int8")  # operands TVM 0.27 has 16x16x16 WMMA intrinsics for (no bf16)
 
 
 def multiply_accumulate(store) -> tuple | None:
@@ -42,17 +46,27 @@ def multiply_accumulate(store) -> tuple | None:
 
 
 def contraction(func: tirx.PrimFunc):
-    """(Schedule, block) of a PrimFunc that is one `C[i, j] += cast(A[i, k]) * cast(B[k, j])`
-    with low-precision inputs and a wider accumulator, else None."""
+    """(Schedule, block, epilogue blocks) of a PrimFunc that is one `C[..., i, j] += cast(A[..., i, k])
+    * cast(B[..., k, j])` (leading batch axes allowed) with low-precision inputs and a wider
+    accumulator, followed by elementwise blocks over C's shape (the cast back to fp16, a bias or a
+    residual add: what FuseOps puts after a matmul); else None."""
     sch = s_tir.Schedule(func)
     blocks = sch.get_child_blocks(sch.get_sblock("root")) if _has_root(sch) else []
-    if len(blocks) != 1:
+    if not blocks:
         return None
     block = sch.get(blocks[0])
-    if [iv.iter_type for iv in block.iter_vars] != [tirx.IterVar.DataPar, tirx.IterVar.DataPar,
-                                                     tirx.IterVar.CommReduce]:
+    kinds = [iv.iter_type for iv in block.iter_vars]
+    if len(kinds) < 3 or kinds[-1] != tirx.IterVar.CommReduce or any(k != tirx.IterVar.DataPar for k in kinds[:-1]):
         return None
-    return (sch, blocks[0]) if multiply_accumulate(block.body) else None
+    if not multiply_accumulate(block.body):
+        return None
+    extents = [iv.dom.extent for iv in block.iter_vars[:-1]]
+    for rv in blocks[1:]:
+        ivs = sch.get(rv).iter_vars
+        if any(iv.iter_type != tirx.IterVar.DataPar for iv in ivs) or len(ivs) != len(extents) or \
+                any(not tvm.sym.Analyzer().can_prove_equal(iv.dom.extent, e) for iv, e in zip(ivs, extents)):
+            return None
+    return sch, blocks[0], blocks[1:]
 
 
 def _has_root(sch) -> bool:
@@ -79,6 +93,31 @@ def tiling_knobs(block_m: int, warp_m: int, thread_n: int, warp_n: int, block_k:
             "block_n": warp_n * WARP * thread_n, "block_k": block_k, "stages": stages}
 
 
+def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule] | None:
+    """(knobs, Schedule) of the first tiling in TILINGS order that fits `func` and gives every SM a
+    block; failing that, of the fitting tiling with the most blocks; None when the template does not
+    fit at all (operands the tensor cores cannot take, symbolic or odd sizes)."""
+    found = contraction(func)
+    if found is None:
+        return None
+    block = found[0].get(found[1])
+    if str(multiply_accumulate(block.body)[0].source.dtype) not in TENSOR_CORE_DTYPES:
+        return None
+    extents = [iv.dom.extent for iv in block.iter_vars]
+    if any(not isinstance(e, tirx.IntImm) for e in extents):
+        return None
+    *batch, m, n, _ = (int(e) for e in extents)
+    candidates = [tiling_knobs(*t) for t in TILINGS]
+    blocks = [math.prod(batch) * (m // knobs["block_m"]) * (n // knobs["block_n"]) for knobs in candidates]
+    filled = [knobs for knobs, count in zip(candidates, blocks) if count >= 0.9 * sm_count]  # ~ one full wave
+    by_count = [knobs for _, knobs in sorted(zip(blocks, candidates), key=lambda pair: -pair[0])]
+    for knobs in filled + by_count:
+        sch = apply(func, knobs)
+        if sch is not None:
+            return knobs, sch
+    return None
+
+
 def default_knobs() -> dict:
     """64 x 64 tiles of 4 warps of 16 rows; 8-element (16-byte) shared-memory copies, rows padded by 8,
     no pipelining."""
@@ -90,11 +129,14 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     found = contraction(func)
     if found is None:
         return None
-    sch, block = found
+    sch, block, epilogue = found
     bm, bn, bk = int(knobs["block_m"]), int(knobs["block_n"]), int(knobs["block_k"])
     wm, tn, wn = int(knobs["warp_m"]), int(knobs["thread_n"]), int(knobs.get("warp_n", 1))
     vec, pad, stages = int(knobs.get("vec", 1)), int(knobs.get("pad", 0)), int(knobs.get("stages", 1))
-    m, n, k = (int(x.dom.extent) for x in sch.get(block).iter_vars)
+    extents = [x.dom.extent for x in sch.get(block).iter_vars]
+    if any(not isinstance(e, tirx.IntImm) for e in extents):
+        return None  # symbolic dims: tiles cannot be checked to divide them
+    m, n, k = (int(e) for e in extents[-3:])
     itemsize = tvm.DataType(str(multiply_accumulate(sch.get(block).body)[0].source.dtype)).bits // 8
     if any((row + pad) * itemsize % 16 for row in (bk, bn)):
         return None  # padded shared rows must stay 16-byte aligned (vector copies; WMMA loads need it)
@@ -103,17 +145,32 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     if bm % wm or bn != wn * WARP * tn or m % bm or n % bn or k % bk or (bm * bk) % (vec * threads) \
             or (bk * bn) % (vec * threads) or stages < 1 or k // bk < stages:
         return None  # tiles must divide the problem, the warps the block's tile, copies the tiles
-    i, j, kk = sch.get_loops(block)
+    staged = None
+    if epilogue:  # C -> shared staging -> the epilogue, computed as it is written out
+        accumulator = tvm.DataType(str(sch.get(block).writes[0].source.dtype)).bits // 8
+        # static when it fits: TVM's StorageRewrite would otherwise reuse the (dead) fp16 operand
+        # tiles for the fp32 stage and then fail ("tvm_access_ptr element type must match")
+        staged = sch.cache_write(block, 0, "shared" if bm * bn * accumulator <= STATIC_SHARED else "shared.dyn")
+        for consumer in epilogue:
+            sch.reverse_compute_inline(consumer)
+    *batch, i, j, kk = sch.get_loops(block)
     bi, wy, ii = sch.split(i, [None, bm // wm, wm])
     bj, wx, tx, jj = sch.split(j, [None, wn, WARP, tn])
     ko, ki = sch.split(kk, [None, bk])
     sch.reorder(bi, bj, wy, wx, tx, ko, ki, ii, jj)
     ty = sch.fuse(wy, wx)
+    if batch:
+        sch.bind(sch.fuse(*batch), "blockIdx.z")
     sch.bind(bi, "blockIdx.y")
     sch.bind(bj, "blockIdx.x")
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
     sch.reverse_compute_at(sch.cache_write(block, 0, "local"), tx)
+    if staged is not None:  # each warp writes out its own tile, a lane per column group
+        sch.reverse_compute_at(staged, ty)
+        _, lane, inner = sch.split(sch.fuse(*sch.get_loops(staged)[-2:]), [None, WARP, tn])
+        sch.bind(lane, "threadIdx.x")
+        sch.vectorize(inner)
     for index in (0, 1):  # A, then B: through shared memory (all threads fetch), then registers
         shared = sch.cache_read(block, index, "shared.dyn")  # dynamic: pipelined tiles outgrow 48 KB
         sch.compute_at(shared, ko)

@@ -204,3 +204,65 @@ def test_tensorized_matmul_is_right_on_the_gpu(case, rng):
     lib["main"](*args)
     want = a.astype("int64") @ (b.T if case == "weight [n, k]" else b).astype("int64")
     np.testing.assert_array_equal(args[2].numpy(), want.astype(out_dtype))
+
+
+def linear_bias(m, n, k, dtype="float16"):
+    """What FuseOps makes of a PyTorch fp16 Linear: the fp32 product, its cast back, the bias add."""
+    a, w = relax.Var("a", relax.TensorType([m, k], dtype)), relax.Var("w", relax.TensorType([k, n], dtype))
+    bias = relax.Var("bias", relax.TensorType([n], dtype))
+    return main_module(lambda bb, a, w, bias: relax.op.add(
+        relax.op.astype(relax.op.matmul(a, w, out_dtype="float32"), dtype), bias), [a, w, bias])
+
+
+def batched(batch, m, n, k):
+    a, b = relax.Var("a", relax.TensorType([batch, m, k], "float16")), relax.Var("b", relax.TensorType([batch, k, n], "float16"))
+    return main_module(lambda bb, a, b: relax.op.astype(relax.op.matmul(a, b, out_dtype="float32"), "float16"), [a, b])
+
+
+def _fused_matmul(mod):
+    fused = tvm_ext.pipeline.fused_module(mod, tvm_ext.parse_target(CUDA_TARGET))
+    return next(f for gv, f in fused.functions_items() if "matmul" in gv.name_hint)
+
+
+@pytest.mark.parametrize("mod", [linear_bias(256, 512, 256), batched(12, 128, 128, 256)], ids=["epilogue", "batch"])
+def test_every_tiling_of_an_epilogue_or_batched_matmul_becomes_tensor_core_code(mod):
+    """The epilogue (cast, bias) is computed from a shared-memory stage the fragments are stored to;
+    batch axes go to blockIdx.z. Every tiling that fits must build: small tiles once failed in TVM's
+    StorageRewrite (an fp32 stage placed in the fp16 operand tiles)."""
+    from tvm_ext.tensorize import auto_tensorize  # noqa: PLC0415
+
+    func, built = _fused_matmul(mod), 0
+    for tiling in matmul.TILINGS:
+        sch = matmul.apply(func, matmul.tiling_knobs(*tiling))
+        if sch is None:
+            continue
+        with tvm.transform.PassContext(config={"tirx.use_async_copy": True}):
+            lib = tvm.compile(tvm.IRModule({"main": auto_tensorize(sch.mod["main"]).with_attr("global_symbol", "main")}),
+                              target=tvm_ext.parse_target(CUDA_TARGET))
+        src = lib.mod.imports[0].inspect_source()
+        assert "wmma::mma_sync" in src and "wmma::store_matrix_sync" in src, tiling
+        assert ("blockIdx.z" in src) == (len(func.params[0].shape) == 3)
+        built += 1
+    assert built >= 5
+
+
+def test_the_pipeline_gives_fp16_matmuls_to_the_template_and_bf16_ones_to_dlight():
+    source = tvm_ext.cuda_source(tvm_ext.build(linear_bias(2048, 1024, 512), CUDA_TARGET))  # a wave of 128x128 tiles
+    assert "wmma::mma_sync" in source and "cp.async" in source and "store_matrix_sync" in source
+    bf16 = tvm_ext.cuda_source(tvm_ext.build(linear_bias(256, 512, 256, "bfloat16"), CUDA_TARGET))
+    assert "cp.async" not in bf16  # dlight's schedule: no pipelined copies
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mod, shapes", [(linear_bias(512, 1024, 256), [[512, 256], [256, 1024], [1024]]),
+                                         (batched(12, 128, 128, 256), [[12, 128, 256], [12, 256, 128]])],
+                         ids=["epilogue", "batch"])
+def test_pipeline_matmuls_are_right_on_the_gpu(mod, shapes, rng):
+    arrays = [rng.integers(-3, 4, s).astype("float16") for s in shapes]
+    dev = tvm.cuda()
+    from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
+
+    out = VirtualMachine(tvm_ext.build(mod, "cuda"), dev)["main"](*[tvm.runtime.tensor(a, dev) for a in arrays])
+    want = arrays[0].astype("float32") @ arrays[1].astype("float32")
+    want = want + arrays[2].astype("float32") if len(arrays) == 3 else want
+    np.testing.assert_array_equal(out.numpy().astype("float32"), want.astype("float16").astype("float32"))

@@ -4,7 +4,9 @@ Order: top-1 sorts as maxima -> half math around reductions in float32 -> librar
 mean/variance pairing (Welford) -> LegalizeOps (with our legalizations) -> AnnotateTIROpPattern ->
 FoldConstant -> FuseOps -> ours (reduce_fusion.py) -> FuseTIR -> leave dataflow form -> our
 schedules for every fused PrimFunc with a reduction (several kernels and a run-time `if` where dims
-are symbolic; zero-filled state inputs for grid reductions) -> TVM's dlight rules for the rest (GPU)
+are symbolic; zero-filled state inputs for grid reductions) -> the matmul template for fp16/int8
+matmuls and their epilogues (GPU; tensor cores come from the AutoTensorize TIR pass) -> TVM's dlight
+rules for the rest (GPU)
 -> int32 indices where safe, int32/int64 twins where shapes are symbolic (narrowing.py) ->
 CallTIRRewrite -> VM finalisation. The TIR passes of `tvm_ext.passes` run later, inside
 `tvm.compile`, under the TIR pipeline of the same name.
@@ -22,7 +24,9 @@ from tvm.s_tir import pipeline as s_tir_pipeline
 from tvm.target import Target
 
 import schedules
+from schedules import matmul
 from schedules.analysis import is_reduce_subgraph
+from schedules.device import device_of
 from schedules.grid_reduce import ZEROED_INPUTS
 
 from . import welford
@@ -83,6 +87,31 @@ class ScheduleReductions:
         mod = rewrite_call_sites(builder.get(), dispatch)
         for gv in replaced:
             del mod[gv]
+        return mod
+
+
+@tvm.transform.module_pass(opt_level=0, name="TVMExtScheduleMatmuls")
+class ScheduleMatmuls:
+    """Schedule fp16/int8 matmuls, with the elementwise work FuseOps put after them, with the
+    thread-level matmul template (knobs from the tuning log, else its heuristic); the
+    auto-tensorization TIR pass makes tensor-core code of them at build time. The rest (bf16,
+    symbolic or odd sizes) stays for TVM's dlight rules."""
+
+    def __init__(self, database: Database | None = None):
+        self.database = database
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        target = Target.current()
+        for gv, func in list(mod.functions_items()):
+            if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False):
+                continue
+            knobs = self.database.lookup(func, target) if self.database else None
+            if knobs and knobs.get("strategy") == matmul.NAME:
+                sch = matmul.apply(func, knobs)
+            else:
+                sch = (matmul.heuristic(func, device_of(target).sm_count) or (None, None))[1]
+            if sch is not None:
+                mod.update_func(gv, sch.mod["main"].with_attr(SCHEDULED, True))
         return mod
 
 
@@ -156,7 +185,7 @@ def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **opt
             ScheduleReductions(database),
         ]
         if "gpu" in target.keys:
-            passes.append(_dlight_defaults())
+            passes += [ScheduleMatmuls(database), _dlight_defaults()]
         passes += ([narrow_indices] if narrow else []) + [relax.transform.CallTIRRewrite()]
         passes += relax.pipeline.finalize_passes(target)
         return tvm.transform.Sequential(passes)(mod)

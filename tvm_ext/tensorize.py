@@ -40,13 +40,12 @@ from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 from tvm.s_tir.stmt import SBlock, SBlockRealize
 
-from schedules.matmul import WARP, multiply_accumulate
+from schedules.matmul import TENSOR_CORE_DTYPES, WARP, multiply_accumulate
 
 from .intrinsics import import_tensor_intrinsics
 from .variants import substitute
 
 LOG = logging.getLogger(__name__)
-INTRINSIC_DTYPES = ("float16", "int8")  # operand dtypes TVM 0.27 registers 16x16x16 WMMA intrinsics for
 TILE = 16  # m = n = k of the wmma shape matched
 SHARED = ("shared", "shared.dyn")
 
@@ -124,9 +123,10 @@ def match_mma(func: tirx.PrimFunc, name: str = "main") -> MmaMatch | None:
     loops, bound = _loops_and_bindings(func, block)
     spatial = [iv.var for iv in block.iter_vars if iv.iter_type == tirx.IterVar.DataPar]
     reduce = [iv.var for iv in block.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
-    if len(spatial) != 2 or len(reduce) != 1 or [str(i) for i in store.indices] != [str(v) for v in spatial]:
-        return _no_match(name, "the accumulator is not indexed by the two output axes")
-    row, col, k = spatial[0], spatial[1], reduce[0]
+    if len(spatial) < 2 or len(reduce) != 1 or [str(i) for i in store.indices] != [str(v) for v in spatial]:
+        return _no_match(name, "the accumulator is not indexed by the output axes")
+    *batch, row, col = spatial
+    k = reduce[0]
     lanes = [lp for lp in loops if lp.thread_binding is not None and lp.thread_binding.thread_tag == "threadIdx.x"]
     serial = [lp for lp in loops if lp.thread_binding is None]
     if len(lanes) != 1 or int(lanes[0].extent) != WARP:
@@ -143,6 +143,8 @@ def match_mma(func: tirx.PrimFunc, name: str = "main") -> MmaMatch | None:
     kk = inner_extent(bound[k])
     if _coefficient(bound[row], lane) != 0:
         return _no_match(name, "rows depend on the lane: the warp does not cover a tile")
+    if any(_coefficient(bound[b], lp.loop_var) != 0 for b in batch for lp in [*lanes, *serial]):
+        return _no_match(name, "a batch axis varies inside the warp tile")
     if per_lane == 1:
         return _no_match(name, "each lane owns one column: no loop to widen to the warp's columns")
     if _coefficient(bound[col], lane) != per_lane:
@@ -170,8 +172,9 @@ class Fragment:
 
 def infer_fragments(match: MmaMatch) -> tuple[Fragment, Fragment]:
     """Step 2: (matrix_a, matrix_b). matrix_a is the operand indexed by the output's row axis, and
-    it is row-major when that axis is its first index; matrix_b is the one indexed by the output's
-    column axis, row-major when that axis is its last. The other index must be the reduce axis."""
+    it is row-major when that axis is its next-to-last index; matrix_b is the one indexed by the
+    output's column axis, row-major when that axis is its last. The other index of the two must be
+    the reduce axis (batch axes, if any, come first)."""
 
     def position(load, var):
         uses = [i for i, index in enumerate(load.indices) if _coefficient(index, var) not in (0, None)]
@@ -183,7 +186,7 @@ def infer_fragments(match: MmaMatch) -> tuple[Fragment, Fragment]:
     rows_at, cols_at = position(first, match.row), position(second, match.col)
     if rows_at is None or cols_at is None or position(first, match.k) is None or position(second, match.k) is None:
         raise ValueError("operands are not indexed (row, k) and (k, col) in some order")
-    return (Fragment(first.source, "matrix_a", "row_major" if rows_at == 0 else "col_major"),
+    return (Fragment(first.source, "matrix_a", "row_major" if rows_at == len(first.indices) - 2 else "col_major"),
             Fragment(second.source, "matrix_b", "row_major" if cols_at == len(second.indices) - 1 else "col_major"))
 
 
@@ -233,7 +236,8 @@ def _intrinsics(match: MmaMatch, fragments: tuple) -> dict:
     from tvm.s_tir.tensor_intrin import cuda  # noqa: PLC0415
 
     shared = next(iter(match.fills.values())).reads[0].source.scope()
-    return cuda.get_wmma_intrin_group(shared, "global", str(match.a.source.dtype), str(match.c.dtype),
+    out = match.drain.writes[0].source.scope()  # global, or a shared stage before an epilogue
+    return cuda.get_wmma_intrin_group(shared, out, str(match.a.source.dtype), str(match.c.dtype),
                                       fragments[1].layout == "col_major")
 
 
@@ -276,7 +280,7 @@ def auto_tensorize(func: tirx.PrimFunc, name: str = "main") -> tirx.PrimFunc:
     match = match_mma(func, name)
     if match is None:
         return func
-    if str(match.a.source.dtype) not in INTRINSIC_DTYPES:
+    if str(match.a.source.dtype) not in TENSOR_CORE_DTYPES:
         _no_match(name, f"TVM 0.27 has no {TILE}x{TILE}x{TILE} WMMA intrinsics for {match.a.source.dtype} operands")
         return func
     return emit_wmma(scale_lane_loops(func, match), match, infer_fragments(match))

@@ -7,6 +7,7 @@ default s_tir pipeline with the passes registered for each phase spliced in.
 - "late": every device kernel after host/device splitting, just before codegen.
 
 Built in: `narrow_index` (early) rewrites the kernels tvm_ext/narrowing.py marked to int32 indices;
+`AutoTensorize` (early) makes tensor-core code of the matmul template's schedules (tensorize.py);
 `cooperative_launch` (late) launches kernels that use a grid-wide barrier cooperatively;
 `welford_lower` (late) gives Welford updates CUDA's fast approximate reciprocal.
 """
@@ -43,8 +44,12 @@ def _tir_pipeline():
     lower, finalize_host, finalize_device = s_tir_pipeline.default_s_tir_pipeline()
 
     @tvm.transform.module_pass(opt_level=0, name="TVMExtTIRPipeline")
-    def _pipeline(mod, _ctx):
-        return lower(tvm.transform.Sequential(_passes["early"])(mod))
+    def _pipeline(mod, ctx):
+        # software-pipelined copies (the matmul template's `stages`) become cp.async; TVM only
+        # marks the copies a schedule annotated as asynchronous, so other kernels are unchanged
+        config = {**dict(ctx.config), "tirx.use_async_copy": True}
+        with tvm.transform.PassContext(ctx.opt_level, ctx.required_pass, ctx.disabled_pass, ctx.instruments, config):
+            return lower(tvm.transform.Sequential(_passes["early"])(mod))
 
     def _finalize_device():
         return tvm.transform.Sequential(_passes["late"] + [finalize_device()])
@@ -61,7 +66,10 @@ def _register_builtin_passes() -> None:
     from .source_hook import register_source_hook  # noqa: PLC0415
     from .welford_lower import welford_lower  # noqa: PLC0415
 
+    from ..tensorize import AutoTensorize  # noqa: PLC0415
+
     register_tir_pass(narrow_index, phase="early")
+    register_tir_pass(AutoTensorize, phase="early")
     register_tir_pass(cooperative_launch, phase="late")
     register_tir_pass(welford_lower, phase="late")
     register_source_hook()
