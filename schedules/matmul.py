@@ -147,10 +147,15 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
         return None  # tiles must divide the problem, the warps the block's tile, copies the tiles
     staged = None
     if epilogue:  # C -> shared staging -> the epilogue, computed as it is written out
-        accumulator = tvm.DataType(str(sch.get(block).writes[0].source.dtype)).bits // 8
-        # static when it fits: TVM's StorageRewrite would otherwise reuse the (dead) fp16 operand
-        # tiles for the fp32 stage and then fail ("tvm_access_ptr element type must match")
-        staged = sch.cache_write(block, 0, "shared" if bm * bn * accumulator <= STATIC_SHARED else "shared.dyn")
+        stage = bm * bn * tvm.DataType(str(sch.get(block).writes[0].source.dtype)).bits // 8
+        tiles = [stages * rows * (cols + pad) * itemsize for rows, cols in ((bm, bk), (bk, bn))]
+        # Static when the block's shared memory stays under 48 KB: beyond it TVM opts a kernel in to
+        # more only for its dynamic part, and the launch fails. Dynamic, it must outsize both operand
+        # tiles: else TVM's StorageRewrite puts the fp32 stage in a dead fp16 tile, then fails
+        # ("tvm_access_ptr element type must match the source buffer").
+        if stage + sum(tiles) > STATIC_SHARED and stage <= max(tiles):
+            return None
+        staged = sch.cache_write(block, 0, "shared" if stage + sum(tiles) <= STATIC_SHARED else "shared.dyn")
         for consumer in epilogue:
             sch.reverse_compute_inline(consumer)
     *batch, i, j, kk = sch.get_loops(block)
