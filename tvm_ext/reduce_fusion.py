@@ -10,7 +10,9 @@ merges FuseOps' groups (and lone kernels) across those edges, CINN-style, around
 * a group is centred on reductions of one signature: the same input rows reduced to the same shape
   (max then sum in softmax, mean then mean of squares in LayerNorm; symbolic dims compare as vars);
 * it takes in elementwise / broadcast producers and consumers whose output has the rows' shape or
-  the reduced shape (residual adds before, casts, weights and activations after);
+  the reduced shape (residual adds before, casts, weights and activations after), and producers
+  with a reshape when nothing outside the group reads them (the scale and causal mask before an
+  attention softmax);
 * it stops at anything else (matmuls, convolutions, layout changes, ops it does not know), which
   keep TVM's own fusion, and never merges two groups when a path between them leaves the group
   (the merged function would depend on itself).
@@ -35,6 +37,7 @@ from .variants import substitute
 CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 TOPK = tvm.ir.Op.get("relax.topk")
 ELEMENTWISE = 1  # op_pattern: 0 elementwise, 1 broadcast
+INJECTIVE = 2
 
 
 @dataclass
@@ -46,6 +49,7 @@ class _Node:
     inputs: set = field(default_factory=set)  # indices of the nodes it reads
     signature: tuple | None = None  # (rows shape, reduced shape) of its reductions
     mergeable: bool = False
+    injective: bool = False  # holds a layout change (reshape, transpose): joins only as a private producer
     out_shape: tuple | None = None
 
 
@@ -92,7 +96,7 @@ def _classify(mod: tvm.IRModule, node: _Node) -> None:
     if not found:
         return
     calls, dims = found
-    signatures = []
+    signatures, injective = [], False
     for call in calls:
         func = mod[call.args[0]]
         pattern = int(func.attrs["op_pattern"]) if func.attrs and "op_pattern" in func.attrs else None
@@ -100,13 +104,15 @@ def _classify(mod: tvm.IRModule, node: _Node) -> None:
             rows = max((_shape(a) for a in call.args[1].fields if _shape(a) is not None), key=len, default=None)
             signatures.append(tuple(tuple(substitute(d, dims) for d in shape) if shape else shape
                                     for shape in (rows, _type_shape(call.ty_args[0]))))
-        elif pattern is None or pattern > ELEMENTWISE:
+        elif pattern is None or pattern > INJECTIVE:
             return
+        else:
+            injective |= pattern == INJECTIVE
     if any(not _same_signature(s, signatures[0]) for s in signatures):
         return
     node.signature = signatures[0] if signatures else None
     node.out_shape = _shape(node.binding.var)
-    node.mergeable = True
+    node.mergeable, node.injective = True, injective
 
 
 class _Groups:
@@ -128,6 +134,15 @@ class _Groups:
     def _fits(self, signature, members) -> bool:
         rows, reduced = signature
         return all(n.signature is not None or _same(n.out_shape, rows) or _same(n.out_shape, reduced) for n in members)
+
+    def _shares_layout_change(self, members: list) -> bool:
+        """Whether a layout-changing member's value is also read outside the group: the merged
+        function would then write it as an extra output, which the row templates do not match
+        (the residual sum before a LLaMA RMSNorm). Private to the group (a mask and scale before
+        a softmax), the change is only index arithmetic in the fused kernel."""
+        inside = {n.index for n in members}
+        return any(m.injective and any(m.index in n.inputs for n in self.nodes if n.index not in inside)
+                   for m in members)
 
     def _detour(self, a: int, b: int) -> bool:
         """Whether some path from group a to group b (or back) passes outside both."""
@@ -159,7 +174,8 @@ class _Groups:
         if sa is not None and sb is not None and (not _same_signature(sa, sb) or _same(sa[0], sa[1])):
             return False  # a whole norm op (rows in, rows out) hides its axes: it takes elementwise work only
         signature = sa or sb
-        if not self._fits(signature, self.members(a) + self.members(b)) or self._detour(a, b):
+        members = self.members(a) + self.members(b)
+        if not self._fits(signature, members) or self._detour(a, b) or self._shares_layout_change(members):
             return False
         self.parent[b] = a
         self.signature[a] = signature
