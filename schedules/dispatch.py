@@ -11,7 +11,7 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.target import Target
 
-from . import block_row, column_reduce, cpu_rows, grid_reduce, grid_sync, warp_row
+from . import block_row, column_reduce, cpu_rows, grid_reduce, grid_sync, matmul, warp_row
 from .analysis import ROW, const_int, match
 from .device import device_of
 
@@ -77,14 +77,21 @@ def _first_applicable(func, pattern, device) -> tuple | None:
 
 
 def heuristic_knobs(func: tirx.PrimFunc, target: Target) -> dict | None:
-    """The knobs the heuristic picks for `func`, or None if no strategy fits it."""
-    pattern = match(func)
-    found = None if pattern is None else _first_applicable(func, pattern, device_of(target))
+    """The knobs the heuristic picks for `func` (a fused reduction, or on a GPU a tensor-core
+    matmul), or None if no strategy fits it."""
+    device = device_of(target)
+    if device.is_gpu and matmul.tensor_core_matmul(func) is not None:
+        found = matmul.heuristic(func, device.sm_count)
+    else:
+        pattern = match(func)
+        found = None if pattern is None else _first_applicable(func, pattern, device)
     return found[0] if found else None
 
 
 def schedule(func: tirx.PrimFunc, target: Target, knobs: dict | None = None) -> s_tir.Schedule | None:
     """Schedule `func` with `knobs` (or the heuristic's); None when no strategy of ours fits."""
+    if knobs and knobs.get("strategy") == matmul.NAME:
+        return matmul.apply(func, knobs)
     pattern = match(func)
     if pattern is None:
         return None

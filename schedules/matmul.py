@@ -93,20 +93,33 @@ def tiling_knobs(block_m: int, warp_m: int, thread_n: int, warp_n: int, block_k:
             "block_n": warp_n * WARP * thread_n, "block_k": block_k, "stages": stages}
 
 
-def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule] | None:
-    """(knobs, Schedule) of the first tiling in TILINGS order that fits `func` and gives every SM a
-    block; failing that, of the fitting tiling with the most blocks; None when the template does not
-    fit at all (operands the tensor cores cannot take, symbolic or odd sizes)."""
+def tensor_core_matmul(func: tirx.PrimFunc):
+    """The matmul block of `func` when the template and the tensor cores can take it (static sizes,
+    fp16/int8 operands), else None."""
     found = contraction(func)
     if found is None:
         return None
     block = found[0].get(found[1])
     if str(multiply_accumulate(block.body)[0].source.dtype) not in TENSOR_CORE_DTYPES:
         return None
-    extents = [iv.dom.extent for iv in block.iter_vars]
-    if any(not isinstance(e, tirx.IntImm) for e in extents):
+    return block if all(isinstance(iv.dom.extent, tirx.IntImm) for iv in block.iter_vars) else None
+
+
+def knob_space(func: tirx.PrimFunc) -> list[dict]:
+    """The tilings of TILINGS that fit `func` (the tuner's space for a matmul task)."""
+    if tensor_core_matmul(func) is None:
+        return []
+    return [knobs for knobs in (tiling_knobs(*t) for t in TILINGS) if apply(func, knobs) is not None]
+
+
+def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule] | None:
+    """(knobs, Schedule) of the first tiling in TILINGS order that fits `func` and gives every SM a
+    block; failing that, of the fitting tiling with the most blocks; None when the template does not
+    fit at all (operands the tensor cores cannot take, symbolic or odd sizes)."""
+    block = tensor_core_matmul(func)
+    if block is None:
         return None
-    *batch, m, n, _ = (int(e) for e in extents)
+    *batch, m, n, _ = (int(iv.dom.extent) for iv in block.iter_vars)
     candidates = [tiling_knobs(*t) for t in TILINGS]
     blocks = [math.prod(batch) * (m // knobs["block_m"]) * (n // knobs["block_n"]) for knobs in candidates]
     filled = [knobs for knobs, count in zip(candidates, blocks) if count >= 0.9 * sm_count]  # ~ one full wave

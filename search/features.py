@@ -13,16 +13,18 @@ import numpy as np
 from tvm import tirx
 from tvm.target import Target
 
+from schedules import matmul
 from schedules.analysis import ReducePattern, const_int, match
 from schedules.device import Device, device_of
 from schedules.dispatch import STRATEGIES
 from schedules.rows import cached_inputs, estimated_registers, row_bytes
 
 NOMINAL = 4096  # stands for a symbolic extent
-NAMES = tuple(f"is_{name}" for name in STRATEGIES) + (
+NAMES = tuple(f"is_{name}" for name in STRATEGIES) + ("is_matmul",) + (
     "log2_row_elements", "log2_rows", "log2_bytes", "reductions", "elementwise_epilogue", "symbolic",
     "threads", "log2_blocks", "waves", "sm_utilisation", "occupancy", "log2_bytes_per_thread", "vector_bytes",
-    "staged", "staged_bytes_per_block", "log2_lanes_per_row")
+    "staged", "staged_bytes_per_block", "log2_lanes_per_row",
+    "log2_k_per_step", "pipeline_stages", "log2_warp_tile")  # the last three: matmul only (0 otherwise)
 # Names (and so meaning) of a logged feature vector: records of another schema are not trained on
 SCHEMA = hashlib.sha1(",".join(NAMES).encode()).hexdigest()[:12]
 
@@ -55,7 +57,7 @@ def features(pattern: ReducePattern, knobs: dict, device: Device) -> np.ndarray:
     resident = device.resident_blocks(threads, estimated_registers(pattern), staged_bytes) if device.is_gpu else 1
     slots = max(1, device.sm_count * resident)
     waves = blocks / slots
-    strategy = [float(knobs["strategy"] == name) for name in STRATEGIES]
+    strategy = [float(knobs["strategy"] == name) for name in STRATEGIES] + [0.0]
     epilogue = pattern.epilogue is not None and pattern.epilogue.dom_kind() != "S" * pattern.num_spatial
     symbolic = const_int(pattern.row_count) is None or const_int(pattern.reduce_extent) is None
     values = strategy + [
@@ -63,11 +65,39 @@ def features(pattern: ReducePattern, knobs: dict, device: Device) -> np.ndarray:
         float(epilogue), float(symbolic), threads, math.log2(blocks), waves, blocks / (math.ceil(waves) * slots),
         threads * resident / device.threads_per_sm if device.is_gpu else 1.0,
         math.log2(max(1.0, width / lanes * element_bytes)), int(knobs.get("vec", 1)) * element_bytes,
-        float(staged), staged_bytes, math.log2(lanes)]
+        float(staged), staged_bytes, math.log2(lanes), 0.0, 0.0, 0.0]
+    return np.asarray(values, dtype="float32")
+
+
+def matmul_features(block, knobs: dict, epilogue: bool, device: Device) -> np.ndarray:
+    """The same quantities for a tensor-core matmul candidate: each output is a row of K products
+    reduced; its rows are the outputs (batch * M * N); the stage is the shared-memory operand tiles."""
+    *batch, m, n, k = (int(iv.dom.extent) for iv in block.iter_vars)
+    item = 2 if str(matmul.multiply_accumulate(block.body)[0].source.dtype) == "float16" else 1
+    bm, bn, bk, stages = (int(knobs[x]) for x in ("block_m", "block_n", "block_k", "stages"))
+    outputs, threads = math.prod(batch) * m * n, bm // int(knobs["warp_m"]) * int(knobs["warp_n"]) * matmul.WARP
+    blocks = outputs // (bm * bn)
+    smem = stages * (bm * (bk + int(knobs["pad"])) + bk * (bn + int(knobs["pad"]))) * item
+    warp_tile = int(knobs["warp_m"]) * bn // int(knobs["warp_n"])
+    registers = min(255, 40 + warp_tile // matmul.WARP)  # fp32 accumulators + ~40 (ptxas: 168 at 64 x 64)
+    resident = device.resident_blocks(threads, registers, smem)
+    slots = max(1, device.sm_count * resident)
+    waves = blocks / slots
+    values = [0.0] * len(STRATEGIES) + [1.0] + [
+        math.log2(k), math.log2(outputs), math.log2(math.prod(batch) * (m * k + k * n) * item + outputs * 4), 1,
+        float(epilogue), 0.0, threads, math.log2(blocks), waves, blocks / (math.ceil(waves) * slots),
+        threads * resident / device.threads_per_sm, math.log2(bm * bn * 4 / threads), int(knobs["vec"]) * item,
+        1.0, smem, 0.0, math.log2(bk), stages, math.log2(warp_tile)]
     return np.asarray(values, dtype="float32")
 
 
 def candidate_features(func: tirx.PrimFunc, points: list[dict], target: Target) -> np.ndarray:
     """[len(points), len(NAMES)] features of the candidates `points` of one task."""
-    pattern, device = match(func), device_of(target)
-    return np.stack([features(pattern, knobs, device) for knobs in points]) if points else np.zeros((0, len(NAMES)))
+    if not points:
+        return np.zeros((0, len(NAMES)))
+    device = device_of(target)
+    if points[0]["strategy"] == matmul.NAME:
+        sch, block, epilogue = matmul.contraction(func)
+        return np.stack([matmul_features(sch.get(block), knobs, bool(epilogue), device) for knobs in points])
+    pattern = match(func)
+    return np.stack([features(pattern, knobs, device) for knobs in points])

@@ -1,7 +1,7 @@
 """Space: every valid knob point of every schedule template for a task, on a target.
 
-Each template lists its own points (`knob_space` beside its `default_knobs` in schedules/), built
-from its validity rules (vector widths that divide the row, threads per block, shared memory for a
+Each template lists its own points (`knob_space` beside its `default_knobs` in schedules/; for a
+tensor-core matmul, the matmul template's tilings that fit), built from its validity rules (vector widths that divide the row, threads per block, shared memory for a
 staged row, co-residency of a cooperative grid), so an invalid point is never built.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.target import Target
 
+from schedules import matmul
 from schedules.analysis import match
 from schedules.device import device_of
 from schedules.dispatch import STRATEGIES, heuristic_knobs
@@ -19,8 +20,11 @@ def knob_space(func: tirx.PrimFunc, target: Target) -> list[dict]:
     """The points of every strategy that fits `func` on `target`, in the heuristic's strategy order,
     and the heuristic's own point (first, when the strategies' grids do not hold it)."""
     pattern, device = match(func), device_of(target)
-    if pattern is None:
+    if device.is_gpu and matmul.tensor_core_matmul(func) is not None:  # the matmul template's tilings
+        pattern, points = None, matmul.knob_space(func)
+    elif pattern is None:
         return []
-    points = [point for strategy in STRATEGIES.values() for point in strategy.knob_space(pattern, device)]
+    else:
+        points = [point for strategy in STRATEGIES.values() for point in strategy.knob_space(pattern, device)]
     default = heuristic_knobs(func, target)
     return points if default is None or default in points else [default] + points

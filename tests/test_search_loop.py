@@ -58,3 +58,48 @@ def test_an_existing_log_is_never_overwritten_and_bad_arguments_are_named(tmp_pa
         tune_model(mod, TARGET, trials=2, log=str(tmp_path / "missing.json"), resume=True, progress=False)
     with pytest.raises(ValueError, match="trials must be >= 0"):
         tune_model(mod, TARGET, trials=-1, log=str(tmp_path / "new.json"), progress=False)
+
+
+def _linear_bias(m, n, k):
+    """A fp16 Linear with its bias, as FuseOps leaves it: a tensor-core matmul task on a GPU."""
+    from tvm import relax  # noqa: PLC0415
+
+    from bench.spelled import main_module  # noqa: PLC0415
+
+    a, w = relax.Var("a", relax.TensorType([m, k], "float16")), relax.Var("w", relax.TensorType([k, n], "float16"))
+    bias = relax.Var("bias", relax.TensorType([n], "float16"))
+    return main_module(lambda bb, a, w, bias: relax.op.add(
+        relax.op.astype(relax.op.matmul(a, w, out_dtype="float32"), "float16"), bias), [a, w, bias])
+
+
+def test_a_tensor_core_matmul_is_a_task_on_a_gpu_with_the_template_tilings_as_its_space():
+    from conftest import CUDA_TARGET  # noqa: PLC0415
+    from schedules import matmul  # noqa: PLC0415
+    from search.features import NAMES, candidate_features  # noqa: PLC0415
+    from search.space import knob_space  # noqa: PLC0415
+
+    mod, cuda = _linear_bias(2048, 1024, 512), tvm_ext.parse_target(CUDA_TARGET)
+    assert extract_tasks(mod, TARGET) == []  # on the CPU matmuls stay TVM's
+    (task,) = extract_tasks(mod, cuda)
+    points = knob_space(task.func, cuda)
+    assert len(points) >= 5 and {p["strategy"] for p in points} == {"matmul"}
+    assert points[0] == matmul.heuristic(task.func, 132)[0]  # the heuristic's point first
+    x = candidate_features(task.func, points, cuda)
+    column = dict(zip(NAMES, x.T))
+    assert (column["is_matmul"] == 1).all() and (column["is_warp_row"] == 0).all()
+    assert set(column["pipeline_stages"]) == {p["stages"] for p in points} and len(set(column["waves"])) > 1
+
+
+@pytest.mark.gpu
+def test_a_matmul_tunes_and_builds_from_its_log(tmp_path, rng):
+    mod, cuda, log = _linear_bias(1024, 1024, 512), tvm_ext.parse_target("cuda"), tmp_path / "mm.json"
+    (report,) = tune_model(mod, cuda, trials=6, log=str(log), batch=3, progress=False, timeout=300)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(lines) == 6 and all(line["knobs"]["strategy"] == "matmul" and line.get("error") is None for line in lines)
+    (task,) = extract_tasks(mod, cuda)
+    assert Database.load(log).lookup(task.func, cuda) == report.knobs
+    a, w, b = (rng.integers(-3, 4, s).astype("float16") for s in ([1024, 512], [512, 1024], [1024]))
+    dev = tvm.cuda()
+    out = VirtualMachine(tvm_ext.build(mod, cuda, database=str(log)), dev)["main"](
+        *[tvm.runtime.tensor(x, dev) for x in (a, w, b)]).numpy()
+    np.testing.assert_array_equal(out, (a.astype("float32") @ w.astype("float32") + b).astype("float16"))
