@@ -185,3 +185,25 @@ def test_spelled_forms_get_the_single_ops_schedules_on_the_suite():
     for case in cases:
         op = plans(relax_module(case["op"], case["shape"], case["dtype"]))
         assert op and op == plans(spelled.module(SINGLE_OP[case["op"]], case["shape"], case["dtype"])), case["id"]
+
+
+def test_a_bool_mask_in_a_fused_softmax_is_never_read_as_a_vector(rng):
+    """TVM 0.27 prints a 4-lane bool load as a `ushort4` read of a byte array: wrong bytes, and a
+    misaligned-address fault (our LLaMA layer at seq 512 on the H200, where the causal mask is a
+    folded bool constant). Loops reading bool run unrolled instead (tvm_ext.passes.bool_vectors)."""
+    import re  # noqa: PLC0415
+
+    n = 256
+    scores, mask = relax.Var("s", relax.TensorType([8, n, n], "float16")), relax.Var("m", relax.TensorType([n, n], "bool"))
+    mod = spelled.main_module(lambda bb, s, m: relax.op.astype(relax.op.nn.softmax(relax.op.astype(relax.op.where(
+        m, relax.const(float("-inf"), "float16"), s), "float32")), "float16"), [scores, mask])
+    source = tvm_ext.cuda_source(tvm_ext.build(mod, CUDA_TARGET))
+    flags = set(re.findall(r"bool\* __restrict__ (\w+)", source))
+    assert flags and "half4" in source  # the scores are still read four at a time
+    assert not [f for f in flags if re.search(r"\*\(\w+\*\)\(" + f, source)], "a bool buffer is read as a vector"
+    s = rng.standard_normal([8, n, n]).astype("float16")
+    m = np.triu(np.ones([n, n], bool), 1)
+    got = VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(s), tvm.runtime.tensor(m)).numpy()
+    z = np.where(m, -np.inf, s.astype("float32"))
+    want = np.exp(z - z.max(-1, keepdims=True))
+    np.testing.assert_allclose(got.astype("float32"), want / want.sum(-1, keepdims=True), atol=1e-3)
