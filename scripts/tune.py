@@ -65,6 +65,9 @@ def table(reports) -> str:
     lines = ["| task | calls | trials | heuristic us | best us | speed-up | GB/s | % of copy | best knobs |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in reports:
+        if r.knobs is None:  # the budget ran out before this task (or every candidate failed)
+            lines.append(f"| {r.name} | {r.weight} | {r.trials} | - | - | - | - | - | not measured: the heuristic's |")
+            continue
         heuristic = f"{r.heuristic_us:.1f}" if r.heuristic_us else "-"
         speedup = f"{r.speedup:.2f}x" if r.speedup else "-"
         lines.append(f"| {r.name} | {r.weight} | {r.trials} | {heuristic} | {r.best_us:.1f} | {speedup} | "
