@@ -8,7 +8,7 @@ default s_tir pipeline with the passes registered for each phase spliced in.
 
 Built in: `narrow_index` (early) rewrites the kernels tvm_ext/narrowing.py marked to int32 indices;
 `AutoTensorize` (early) makes tensor-core code of the matmul template's schedules (tensorize.py);
-`no_bool_vectors` (early) keeps bool buffers out of vector loads (TVM's CUDA codegen misprints them);
+`bool_loads_as_bytes_pass` (early) reads bool buffers in vector loops as bytes (TVM's CUDA codegen misprints them);
 `cooperative_launch` (late) launches kernels that use a grid-wide barrier cooperatively;
 `welford_lower` (late) gives Welford updates CUDA's fast approximate reciprocal.
 """
@@ -62,7 +62,7 @@ tirx.register_tir_pipeline(TIR_PIPELINE, _tir_pipeline)
 
 
 def _register_builtin_passes() -> None:
-    from .bool_vectors import no_bool_vectors  # noqa: PLC0415
+    from .bool_vectors import bool_loads_as_bytes_pass  # noqa: PLC0415
     from .cooperative_launch import cooperative_launch  # noqa: PLC0415
     from .narrow_index import narrow_index  # noqa: PLC0415
     from .source_hook import register_source_hook  # noqa: PLC0415
@@ -72,7 +72,7 @@ def _register_builtin_passes() -> None:
 
     register_tir_pass(narrow_index, phase="early")
     register_tir_pass(AutoTensorize, phase="early")
-    register_tir_pass(no_bool_vectors, phase="early")
+    register_tir_pass(bool_loads_as_bytes_pass, phase="early")
     register_tir_pass(cooperative_launch, phase="late")
     register_tir_pass(welford_lower, phase="late")
     register_source_hook()

@@ -1,8 +1,9 @@
-"""No vector loads of bool buffers: TVM 0.27's CUDA codegen prints a 4-lane bool load as a
-`ushort4` read (8 bytes at a 1-byte-per-element address): the wrong bytes, and a misaligned-address
-fault where the address is not a multiple of 8. A causal mask folded to a bool constant and fused
-into our attention softmax faulted so on the H200 (LLaMA layer, seq 512). The early-phase pass
-below runs such loops unrolled instead of vectorized; every other vector access stays.
+"""Vector loads of bool buffers read bytes: TVM 0.27's CUDA codegen prints a 4-lane bool load as a
+`ushort4` read (8 bytes where the 4 bools take 4): the wrong bytes, and a misaligned-address fault
+where the address is not a multiple of 8. A causal mask folded to a bool constant and fused into
+our attention softmax faulted so on the H200 (LLaMA layer, seq 512). The early-phase pass below
+makes each vectorized loop that reads a bool buffer read it through an int8 view of the same memory
+and cast the bytes back to bool (codegen then loads them as one 4-byte int); the loop stays vectorized.
 """
 
 from __future__ import annotations
@@ -20,19 +21,31 @@ def _reads_bool(stmt) -> bool:
     return bool(found)
 
 
-def unvectorize_bool_loads(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    def visit(loop):
+def bool_loads_as_bytes(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    def rewrite(loop):
         if loop.kind != tirx.ForKind.VECTORIZED or not _reads_bool(loop.body):
             return loop
-        return tirx.For(loop.loop_var, loop.min, loop.extent, tirx.ForKind.UNROLLED, loop.body, loop.thread_binding,
-                        loop.annotations)
+        views: dict = {}
 
-    return func.with_body(tvm_ffi.structural_map(func.body, (tirx.For, visit)))
+        def as_bytes(load):
+            if str(load.source.dtype) != "bool":
+                return load
+            if load.source not in views:
+                views[load.source] = tirx.decl_buffer(load.source.shape, "int8", f"{load.source.name}_bytes",
+                                                      data=load.source.data)
+            return tirx.Cast("bool", tirx.BufferLoad(views[load.source], load.indices))
+
+        body = tvm_ffi.structural_map(loop.body, (TensorLoad, as_bytes))
+        vectorized = tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, body, loop.thread_binding,
+                              loop.annotations)
+        return tirx.SeqStmt([tirx.DeclBuffer(view, data=bools.data) for bools, view in views.items()] + [vectorized])
+
+    return func.with_body(tvm_ffi.structural_map(func.body, (tirx.For, rewrite)))
 
 
-@tvm.transform.module_pass(opt_level=0, name="TVMExtNoBoolVectors")
-def no_bool_vectors(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+@tvm.transform.module_pass(opt_level=0, name="TVMExtBoolLoadsAsBytes")
+def bool_loads_as_bytes_pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     for gv, func in list(mod.functions_items()):
         if isinstance(func, tirx.PrimFunc):
-            mod.update_func(gv, unvectorize_bool_loads(func))
+            mod.update_func(gv, bool_loads_as_bytes(func))
     return mod
