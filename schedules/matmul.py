@@ -112,18 +112,26 @@ def knob_space(func: tirx.PrimFunc) -> list[dict]:
     return [knobs for knobs in (tiling_knobs(*t) for t in TILINGS) if apply(func, knobs) is not None]
 
 
+def shared_bytes(knobs: dict, itemsize: int) -> int:
+    """Shared memory of a candidate's operand tiles: `stages` copies of A's and B's padded tiles."""
+    bm, bn, bk, pad = (int(knobs[x]) for x in ("block_m", "block_n", "block_k", "pad"))
+    return int(knobs["stages"]) * (bm * (bk + pad) + bk * (bn + pad)) * itemsize
+
+
 def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule] | None:
-    """(knobs, Schedule) of the first tiling in TILINGS order that fits `func` and gives every SM a
-    block; failing that, of the fitting tiling with the most blocks; None when the template does not
-    fit at all (operands the tensor cores cannot take, symbolic or odd sizes)."""
+    """(knobs, Schedule) of the first tiling in TILINGS order that fits `func` with about one full
+    wave of blocks (90% of the SMs or more); failing that, of the fitting tiling with the most
+    blocks; None when the template does not fit at all (operands the tensor cores cannot take,
+    symbolic or odd sizes)."""
     block = tensor_core_matmul(func)
     if block is None:
         return None
     *batch, m, n, _ = (int(iv.dom.extent) for iv in block.iter_vars)
     candidates = [tiling_knobs(*t) for t in TILINGS]
     blocks = [math.prod(batch) * (m // knobs["block_m"]) * (n // knobs["block_n"]) for knobs in candidates]
-    filled = [knobs for knobs, count in zip(candidates, blocks) if count >= 0.9 * sm_count]  # ~ one full wave
-    by_count = [knobs for _, knobs in sorted(zip(blocks, candidates), key=lambda pair: -pair[0])]
+    filled = [knobs for knobs, count in zip(candidates, blocks) if count >= 0.9 * sm_count]
+    by_count = [knobs for count, knobs in sorted(zip(blocks, candidates), key=lambda pair: -pair[0])
+                if count < 0.9 * sm_count]
     for knobs in filled + by_count:
         sch = apply(func, knobs)
         if sch is not None:
@@ -161,14 +169,14 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     staged = None
     if epilogue:  # C -> shared staging -> the epilogue, computed as it is written out
         stage = bm * bn * tvm.DataType(str(sch.get(block).writes[0].source.dtype)).bits // 8
-        tiles = [stages * rows * (cols + pad) * itemsize for rows, cols in ((bm, bk), (bk, bn))]
+        operands = shared_bytes(knobs, itemsize)
         # Static when the block's shared memory stays under 48 KB: beyond it TVM opts a kernel in to
-        # more only for its dynamic part, and the launch fails. Dynamic, it must outsize both operand
-        # tiles: else TVM's StorageRewrite puts the fp32 stage in a dead fp16 tile, then fails
+        # more only for its dynamic part, and the launch fails. Dynamic, it must outsize each operand
+        # tile: else TVM's StorageRewrite puts the fp32 stage in a dead fp16 tile, then fails
         # ("tvm_access_ptr element type must match the source buffer").
-        if stage + sum(tiles) > STATIC_SHARED and stage <= max(tiles):
+        if stage + operands > STATIC_SHARED and stage <= stages * max(bm * (bk + pad), bk * (bn + pad)) * itemsize:
             return None
-        staged = sch.cache_write(block, 0, "shared" if stage + sum(tiles) <= STATIC_SHARED else "shared.dyn")
+        staged = sch.cache_write(block, 0, "shared" if stage + operands <= STATIC_SHARED else "shared.dyn")
         for consumer in epilogue:
             sch.reverse_compute_inline(consumer)
     *batch, i, j, kk = sch.get_loops(block)

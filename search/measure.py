@@ -141,6 +141,9 @@ def _float32_inputs(func, params=None):
     return tirx.PrimFunc([remap.get(i, p) for i, p in enumerate(func.params)], body, func.ret_type, func.attrs)
 
 
+REFERENCE_LANES = 16  # float32 columns per vector in a matmul reference
+
+
 def _reference(func) -> tirx.PrimFunc:
     """What computes the task's reference on the CPU: `func` unscheduled, or for a matmul, its
     operands read as float32 and its loops parallel over rows and vectorised over columns (the
@@ -156,9 +159,6 @@ def _reference(func) -> tirx.PrimFunc:
     if int(sch.get(j).extent) % REFERENCE_LANES == 0:
         sch.vectorize(sch.split(j, [None, REFERENCE_LANES])[1])
     return _float32_inputs(sch.mod["main"], operands)
-
-
-REFERENCE_LANES = 16
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Space: every valid knob point of every schedule template for a task, on a target.
 
 Each template lists its own points (`knob_space` beside its `default_knobs` in schedules/; for a
-tensor-core matmul, the matmul template's tilings that fit), built from its validity rules (vector widths that divide the row, threads per block, shared memory for a
-staged row, co-residency of a cooperative grid), so an invalid point is never built.
+tensor-core matmul, the matmul template's tilings that fit), built from its validity rules (vector
+widths that divide the row, threads per block, shared memory for a staged row, co-residency of a
+cooperative grid), so an invalid point is never built.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def knob_space(func: tirx.PrimFunc, target: Target) -> list[dict]:
     and the heuristic's own point (first, when the strategies' grids do not hold it)."""
     pattern, device = match(func), device_of(target)
     if device.is_gpu and matmul.tensor_core_matmul(func) is not None:  # the matmul template's tilings
-        pattern, points = None, matmul.knob_space(func)
+        points = matmul.knob_space(func)
     elif pattern is None:
         return []
     else:

@@ -56,7 +56,9 @@ def extract_tasks(mods, target, **options) -> list[Task]:
         fused = fused_module(mod, target, **options)
         counts = _call_counts(fused)
         for gv, func in sorted(fused.functions_items(), key=lambda item: item[0].name_hint):
-            if not isinstance(func, tirx.PrimFunc) or not (is_reduce_subgraph(func) or gpu and tensor_core_matmul(func)):
+            if not isinstance(func, tirx.PrimFunc):
+                continue
+            if not (is_reduce_subgraph(func) or gpu and tensor_core_matmul(func) is not None):
                 continue
             key = task_key(func, target)
             first = tasks.get(key)
