@@ -5,7 +5,7 @@ cuBLAS, TVM dlight's Matmul rule and the same schedule without the pass, in one 
 
 For each (M, N, K): a few template tilings are built with the pass and the fastest is reported;
 "plain" is that same tiling without the pass; "tvm_ext.build" is the whole pipeline on the Relax
-matmul (heuristic tiling; split-K where M is small). Ours and plain write fp32 (the template's
+matmul (the template's heuristic tiling). Ours and plain write fp32 (the template's
 accumulator); cuBLAS (`torch.matmul`) and the anchors are fp16 in and out; dlight builds the same
 fp16 -> fp32 Relax matmul with TVM's default pipeline. Every output is checked against cuBLAS.
 """
@@ -87,7 +87,7 @@ def run_shape(m: int, n: int, k: int, target) -> dict:
         row["ours_error"] = "no tiling of the template fits this shape" if not tried else "wrong results"
     for impl, executable in (("dlight", lambda: tvm.compile(relax_matmul(m, n, k), target=target)),
                              ("pipeline", lambda: tvm_ext.build(relax_matmul(m, n, k), target))):
-        try:  # the pipeline: heuristic tiling, split-K for few rows (tvm_ext/split_k.py)
+        try:
             main = VirtualMachine(executable(), tvm.cuda())["main"]
             out = main(tvm.runtime.from_dlpack(a), tvm.runtime.from_dlpack(b))
         except Exception as err:  # one failing implementation must not sink the table

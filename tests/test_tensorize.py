@@ -253,22 +253,10 @@ def test_the_pipeline_gives_fp16_matmuls_to_the_template_and_bf16_ones_to_dlight
     assert "cp.async" not in bf16  # dlight's schedule: no pipelined copies
 
 
-def test_a_few_row_matmul_is_split_along_k_into_a_tensor_core_batch_and_a_sum():
-    from tvm_ext.split_k import splits  # noqa: PLC0415
-
-    assert (splits(16, 4096), splits(16, 2048), splits(16, 512), splits(128, 4096)) == (8, 4, 1, 1)
-    executable = tvm_ext.build(linear_bias(16, 512, 2048), CUDA_TARGET)
-    assert tvm_ext.cuda_kernels(executable) == ["fused_split_k_sum_cast_add_kernel", "matmul_split_k_kernel"]  # bias in the sum
-    source = tvm_ext.cuda_source(executable)
-    assert "wmma::mma_sync" in source and "blockIdx.z" in source
-    assert len(tvm_ext.cuda_kernels(tvm_ext.build(linear_bias(256, 512, 2048), CUDA_TARGET))) == 1  # enough rows
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("mod, shapes", [(linear_bias(512, 1024, 256), [[512, 256], [256, 1024], [1024]]),
-                                         (batched(12, 128, 128, 256), [[12, 128, 256], [12, 256, 128]]),
-                                         (linear_bias(16, 512, 2048), [[16, 2048], [2048, 512], [512]])],
-                         ids=["epilogue", "batch", "split-k"])
+                                         (batched(12, 128, 128, 256), [[12, 128, 256], [12, 256, 128]])],
+                         ids=["epilogue", "batch"])
 def test_pipeline_matmuls_are_right_on_the_gpu(mod, shapes, rng):
     arrays = [rng.integers(-3, 4, s).astype("float16") for s in shapes]
     dev = tvm.cuda()

@@ -35,7 +35,6 @@ from .legalize import legalizations
 from .narrowing import OURS, narrow_indices
 from .records import Database
 from .reduce_fusion import FuseReduceGroups, max_from_top_one
-from .split_k import legalize_matmul_split_k
 from .variants import rewrite_call_sites
 
 PIPELINE = "tvm_ext"
@@ -133,9 +132,8 @@ def fused_passes(target, **options) -> list:
     pairing of mean with variance (Welford), legalization, and fusion (FuseOps, then ours)."""
     variance = options.get("variance", "welford")
     statistics = [welford.pair_mean_with_variance] if variance == "welford" else []
-    split = {"relax.matmul": legalize_matmul_split_k} if "gpu" in target.keys else {}  # few rows: split K
     return [max_from_top_one, half_math_in_float] + relax.pipeline.library_dispatch_passes(target) + statistics + [
-        relax.transform.LegalizeOps(customize_legalize_map={**legalizations(variance), **split}),
+        relax.transform.LegalizeOps(customize_legalize_map=legalizations(variance)),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
