@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import tvm
+import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 
@@ -58,8 +59,9 @@ def contraction(func: tirx.PrimFunc):
     kinds = [iv.iter_type for iv in block.iter_vars]
     if len(kinds) < 3 or kinds[-1] != tirx.IterVar.CommReduce or any(k != tirx.IterVar.DataPar for k in kinds[:-1]):
         return None
-    if not multiply_accumulate(block.body):
-        return None
+    loads = multiply_accumulate(block.body)
+    if not loads or any(len(_axes_used(index, block)) > 1 for load in loads for index in load.indices):
+        return None  # an operand index mixing axes (a[i, p * K/S + k] of a split K): not a tile of one matmul
     extents = [iv.dom.extent for iv in block.iter_vars[:-1]]
     for rv in blocks[1:]:
         ivs = sch.get(rv).iter_vars
@@ -67,6 +69,14 @@ def contraction(func: tirx.PrimFunc):
                 any(not tvm.sym.Analyzer().can_prove_equal(iv.dom.extent, e) for iv, e in zip(ivs, extents)):
             return None
     return sch, blocks[0], blocks[1:]
+
+
+def _axes_used(index, block) -> set:
+    """The block's iterators that `index` reads."""
+    axes = {iv.var for iv in block.iter_vars}
+    used = []
+    tvm_ffi.structural_walk(index, (tirx.Var, lambda v: used.append(v) if v in axes else None), order="pre")
+    return set(used)
 
 
 def _has_root(sch) -> bool:
