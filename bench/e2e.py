@@ -29,6 +29,7 @@ import torch  # noqa: E402  pylint: disable=wrong-import-order
 
 from bench.run import max_err, time_us, tvm_callable
 from examples.torch_models import make
+from schedules.analysis import is_reduce_subgraph
 from search.measure import task_bytes
 from search.tasks import extract_tasks
 
@@ -39,7 +40,7 @@ def kernel_breakdown(fn, mod, target, args) -> list[dict]:
     """Our kernels' average device times as CUPTI sees them (torch.profiler traces every kernel of the
     process; TVM's VM has no profiler in 0.27), with GB/s for the fused reduce ones (bytes of their
     parameters). A kernel of function F is named F_kernel (F_kernel_1, ... for several)."""
-    reduce_bytes = {t.name: task_bytes(t.func) for t in extract_tasks(mod, target)}
+    reduce_bytes = {t.name: task_bytes(t.func) for t in extract_tasks(mod, target) if is_reduce_subgraph(t.func)}
     fn(*args)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
