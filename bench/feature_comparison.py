@@ -12,7 +12,6 @@ point over the best (what a 0-trial transfer would get).
 
 from __future__ import annotations
 
-
 import numpy as np
 import tvm
 from tvm.s_tir import meta_schedule as ms

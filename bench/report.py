@@ -107,10 +107,6 @@ def write_reports(json_path: str) -> str:
     return table
 
 
-if __name__ == "__main__":
-    print(write_reports(sys.argv[1]))
-
-
 def table_cli(argv, doc: str, analyse, markdown_of, out_help: str = "path prefix: writes .json and .md") -> tuple:
     """The command line of a bench that reads a measured space table (bench.measure_spaces) and
     writes PREFIX.json / PREFIX.md: (its --out prefix, the result)."""
@@ -122,3 +118,7 @@ def table_cli(argv, doc: str, analyse, markdown_of, out_help: str = "path prefix
         result = analyse(json.load(f))
     write_json_and_markdown(args.out, result, markdown_of(result))
     return args.out, result
+
+
+if __name__ == "__main__":
+    print(write_reports(sys.argv[1]))

@@ -76,27 +76,29 @@ def _first_applicable(func, pattern, device) -> tuple | None:
     return None
 
 
+def _heuristic(func: tirx.PrimFunc, target: Target) -> tuple | None:
+    """(knobs, Schedule) the heuristic picks for `func`: on a GPU, the matmul template's for a
+    tensor-core matmul; else the first reduce strategy that fits; None when none does."""
+    device = device_of(target)
+    if device.is_gpu and matmul.tensor_core_matmul(func) is not None:
+        return matmul.heuristic(func, device.sm_count)
+    pattern = match(func)
+    return None if pattern is None else _first_applicable(func, pattern, device)
+
+
 def heuristic_knobs(func: tirx.PrimFunc, target: Target) -> dict | None:
     """The knobs the heuristic picks for `func` (a fused reduction, or on a GPU a tensor-core
     matmul), or None if no strategy fits it."""
-    device = device_of(target)
-    if device.is_gpu and matmul.tensor_core_matmul(func) is not None:
-        found = matmul.heuristic(func, device.sm_count)
-    else:
-        pattern = match(func)
-        found = None if pattern is None else _first_applicable(func, pattern, device)
+    found = _heuristic(func, target)
     return found[0] if found else None
 
 
 def schedule(func: tirx.PrimFunc, target: Target, knobs: dict | None = None) -> s_tir.Schedule | None:
     """Schedule `func` with `knobs` (or the heuristic's); None when no strategy of ours fits."""
-    if knobs and knobs.get("strategy") == matmul.NAME:
-        return matmul.apply(func, knobs)
-    pattern = match(func)
-    if pattern is None:
-        return None
     if not knobs:
-        found = _first_applicable(func, pattern, device_of(target))
+        found = _heuristic(func, target)
         return found[1] if found else None
-    strategy = STRATEGIES.get(knobs.get("strategy"))
-    return None if strategy is None else strategy.apply(pattern, device_of(target), knobs)
+    if knobs.get("strategy") == matmul.NAME:
+        return matmul.apply(func, knobs)
+    pattern, strategy = match(func), STRATEGIES.get(knobs.get("strategy"))
+    return None if pattern is None or strategy is None else strategy.apply(pattern, device_of(target), knobs)

@@ -26,7 +26,6 @@ from tvm.target import Target
 import schedules
 from schedules import matmul
 from schedules.analysis import is_reduce_subgraph
-from schedules.device import device_of
 from schedules.grid_reduce import ZEROED_INPUTS
 
 from . import welford
@@ -103,13 +102,10 @@ class ScheduleMatmuls:
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         target = Target.current()
         for gv, func in list(mod.functions_items()):
-            if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False):
+            if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False) \
+                    or matmul.tensor_core_matmul(func) is None:
                 continue
-            knobs = self.database.lookup(func, target) if self.database else None
-            if knobs and knobs.get("strategy") == matmul.NAME:
-                sch = matmul.apply(func, knobs)
-            else:
-                sch = (matmul.heuristic(func, device_of(target).sm_count) or (None, None))[1]
+            sch = schedules.schedule(func, target, self.database.lookup(func, target) if self.database else None)
             if sch is not None:
                 mod.update_func(gv, sch.mod["main"].with_attr(SCHEDULED, True))
         return mod
