@@ -19,7 +19,7 @@ from schedules.dispatch import STRATEGIES, heuristic_knobs
 
 def knob_space(func: tirx.PrimFunc, target: Target) -> list[dict]:
     """The points of every strategy that fits `func` on `target`, in the heuristic's strategy order,
-    and the heuristic's own point (first, when the strategies' grids do not hold it)."""
+    the heuristic's own point first (the tuner's first batch then holds what an untuned build runs)."""
     device = device_of(target)
     if device.is_gpu and matmul.tensor_core_matmul(func) is not None:  # the matmul template's tilings
         points = matmul.knob_space(func)
@@ -29,4 +29,4 @@ def knob_space(func: tirx.PrimFunc, target: Target) -> list[dict]:
             return []
         points = [point for strategy in STRATEGIES.values() for point in strategy.knob_space(pattern, device)]
     default = heuristic_knobs(func, target)
-    return points if default is None or default in points else [default] + points
+    return points if default is None else [default] + [point for point in points if point != default]

@@ -279,3 +279,71 @@ def test_an_operand_index_that_mixes_axes_is_not_taken_by_the_template():
     assert matmul.contraction(func) is None and matmul.knob_space(func) == []
     assert matmul.contraction(te.create_prim_func([a, b, te.compute((16, 512), lambda i, j: te.sum(
         a[i, r].astype("float32") * b[r, j].astype("float32"), axis=r), name="mm")])) is not None
+
+
+def _pipeline_annotations(func) -> dict:
+    """{loop variable name: (stages, order)} of the software-pipelined loops of `func`."""
+    import tvm_ffi  # noqa: PLC0415
+
+    found = {}
+    tvm_ffi.structural_walk(func.body, (tirx.For, lambda lp: found.update(
+        {lp.loop_var.name: tuple(tuple(int(x) for x in lp.annotations[key]) for key in
+                                 ("software_pipeline_stage", "software_pipeline_order"))}
+        if "software_pipeline_stage" in lp.annotations else {})), order="pre")
+    return found
+
+
+@pytest.mark.parametrize("stages, outer", [
+    (3, ((0, 0, 1, 2, 2), (0, 1, 3, 2, 4))),  # the next tile's first fragments load before this tile's last mma
+    (2, ((0, 0, 1, 1, 1), (0, 1, 2, 3, 4))),  # no stage free for that: fragments pipelined inside a tile only
+])
+def test_fragment_loads_join_the_software_pipeline(stages, outer):
+    """Two 16-wide steps of k per shared tile: the fragments of the next step load while the tensor
+    cores work on this one (two fragment buffers per operand in the CUDA), and the pass rewrites the
+    schedule's pipeline over k-tiles to take the fragment loads in."""
+    from tvm_ext.tensorize import auto_tensorize  # noqa: PLC0415
+
+    func = scheduled(legalized_matmul(512, 512, 256), block_m=128, warp_m=64, warp_n=2, block_n=128, block_k=32,
+                     stages=stages)
+    tensorized = auto_tensorize(func)
+    annotations = sorted(_pipeline_annotations(tensorized).values())
+    assert annotations == sorted([((0, 0, 1), (0, 1, 2)), outer])
+    with tvm.transform.PassContext(config={"tirx.use_async_copy": True}):
+        lib = tvm.compile(tvm.IRModule({"main": tensorized.with_attr("global_symbol", "main")}),
+                          target=tvm_ext.parse_target(CUDA_TARGET))
+    src = lib.mod.imports[0].inspect_source()
+    assert "half, nvcuda::wmma::row_major> a_shared_dyn_wmma_matrix_a_ptr[8];" in src  # 2 buffers x 4 row tiles
+    assert "cp_async_wait_group" in src
+
+
+def test_one_k_step_per_tile_is_not_pipelined_further():
+    from tvm_ext.tensorize import auto_tensorize  # noqa: PLC0415
+
+    func = scheduled(legalized_matmul(512, 512, 256), block_k=16, stages=3)
+    assert list(_pipeline_annotations(auto_tensorize(func)).values()) == [((0, 0, 2), (0, 1, 2))]
+
+
+@pytest.mark.gpu
+def test_every_tiling_is_right_on_the_gpu(rng):
+    """Each tiling of TILINGS that fits, with its pipelined copies and fragment loads, gives the
+    exact product of small integers (a race between a fragment load and the copy that refills its
+    shared tile would show as wrong sums)."""
+    from tvm_ext.tensorize import auto_tensorize  # noqa: PLC0415
+
+    m, n, k = 512, 512, 512
+    func, dev = legalized_matmul(m, n, k), tvm.cuda()
+    a, b = rng.integers(-3, 4, [m, k]).astype("float16"), rng.integers(-3, 4, [k, n]).astype("float16")
+    want = a.astype("float32") @ b.astype("float32")
+    tested = 0
+    for tiling in matmul.TILINGS:
+        sch = matmul.apply(func, matmul.tiling_knobs(*tiling))
+        if sch is None:
+            continue
+        with tvm.transform.PassContext(config={"tirx.use_async_copy": True}):
+            scheduled_func = auto_tensorize(sch.mod["main"]).with_attr("global_symbol", "main")
+            lib = tvm.compile(tvm.IRModule({"main": scheduled_func}), target=tvm_ext.parse_target("cuda"))
+        args = [tvm.runtime.tensor(a, dev), tvm.runtime.tensor(b, dev), tvm.runtime.empty([m, n], "float32", dev)]
+        lib["main"](*args)
+        np.testing.assert_array_equal(args[2].numpy(), want, err_msg=str(tiling))
+        tested += 1
+    assert tested >= 10
