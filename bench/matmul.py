@@ -129,12 +129,11 @@ def main(argv=None) -> int:
 
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     target = tvm_ext.parse_target("cuda")
-    rows = []
-    for shape in shapes:
+    rows, device = [], torch.cuda.get_device_name()
+    for shape in shapes:  # written after each shape: a run cut short keeps what it measured
         rows.append(run_shape(*shape, target))
         print(rows[-1] | {"tried": len(rows[-1]["tried"])}, flush=True)
-    device = torch.cuda.get_device_name()
-    write_json_and_markdown(args.out, {"device": device, "rows": rows}, table(rows, device))
+        write_json_and_markdown(args.out, {"device": device, "rows": rows}, table(rows, device))
     return 0
 
 
