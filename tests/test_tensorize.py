@@ -347,3 +347,12 @@ def test_every_tiling_is_right_on_the_gpu(rng):
         np.testing.assert_array_equal(args[2].numpy(), want, err_msg=str(tiling))
         tested += 1
     assert tested >= 10
+
+
+def test_a_tiling_beyond_the_shared_memory_a_block_may_have_is_refused():
+    """Six stages of 16 x 128 and 128 x 128 tiles need 235008 bytes: the launch failed on the H200
+    ("Failed to set the allowed dynamic shared memory size")."""
+    knobs = matmul.tiling_knobs(16, 16, 2, 2, 128, 6)
+    assert matmul.shared_bytes(knobs, 2) == 235008 > matmul.MAX_SHARED
+    assert matmul.apply(legalized_matmul(16, 4096, 4096), knobs) is None
+    assert matmul.apply(legalized_matmul(16, 4096, 4096), matmul.tiling_knobs(16, 16, 2, 1, 64, 12)) is not None
