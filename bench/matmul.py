@@ -27,7 +27,6 @@ from tvm_ext.tensorize import auto_tensorize
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16, 4096, 4096), (1024, 11008, 4096), (4096, 1000, 1024)]
 
 
-
 def relax_matmul(m: int, n: int, k: int, dtype: str = "float16", out: str = "float32") -> tvm.IRModule:
     a, b = relax.Var("a", relax.TensorType([m, k], dtype)), relax.Var("b", relax.TensorType([k, n], dtype))
     return main_module(lambda bb, a, b: relax.op.matmul(a, b, out_dtype=out), [a, b])
@@ -115,7 +114,7 @@ def table(rows: list, device: str) -> str:
                      f"{f.get('plain', float('nan')):.0f} | {f.get('dlight', float('nan')):.0f} | "
                      f"{built and f'{built:.0f}' or r.get('pipeline_error', '-')} | "
                      + " | ".join(f"{ours / f[x]:.2f}x" if ours and x in f else "-" for x in ("cublas", "dlight", "plain"))
-                     + f" | {built / f['cublas']:.2f}x" if built else " | -")
+                     + (f" | {built / f['cublas']:.2f}x" if built else " | -"))
         lines[-1] += f" | {t and (t['block_m'], t['warp_m'], t['block_n'], t['block_k'], t['stages'])} |"
     return "\n".join(lines)
 

@@ -127,6 +127,11 @@ def knob_space(func: tirx.PrimFunc) -> list[dict]:
     return [knobs for knobs in (tiling_knobs(*t) for t in TILINGS) if apply(func, knobs) is not None]
 
 
+def operand_itemsize(block) -> int:
+    """Bytes per element of the matmul block's (low-precision) operands."""
+    return tvm.DataType(str(multiply_accumulate(block.body)[0].source.dtype)).bits // 8
+
+
 def shared_bytes(knobs: dict, itemsize: int) -> int:
     """Shared memory of a candidate's operand tiles: `stages` copies of A's and B's padded tiles."""
     bm, bn, bk, pad = (int(knobs[x]) for x in ("block_m", "block_n", "block_k", "pad"))
@@ -173,7 +178,7 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     if any(not isinstance(e, tirx.IntImm) for e in extents):
         return None  # symbolic dims: tiles cannot be checked to divide them
     m, n, k = (int(e) for e in extents[-3:])
-    itemsize = tvm.DataType(str(multiply_accumulate(sch.get(block).body)[0].source.dtype)).bits // 8
+    itemsize = operand_itemsize(sch.get(block))
     if any((row + pad) * itemsize % 16 for row in (bk, bn)):
         return None  # padded shared rows must stay 16-byte aligned (vector copies; WMMA loads need it)
     warps = bm // wm * wn

@@ -73,7 +73,7 @@ def matmul_features(block, knobs: dict, epilogue: bool, device: Device) -> np.nd
     """The same quantities for a tensor-core matmul candidate: each output is a row of K products
     reduced; its rows are the outputs (batch * M * N); the stage is the shared-memory operand tiles."""
     *batch, m, n, k = (int(iv.dom.extent) for iv in block.iter_vars)
-    item = 2 if str(matmul.multiply_accumulate(block.body)[0].source.dtype) == "float16" else 1
+    item = matmul.operand_itemsize(block)
     bm, bn, bk, stages = (int(knobs[x]) for x in ("block_m", "block_n", "block_k", "stages"))
     outputs, threads = math.prod(batch) * m * n, bm // int(knobs["warp_m"]) * int(knobs["warp_n"]) * matmul.WARP
     blocks = outputs // (bm * bn)
