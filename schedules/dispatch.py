@@ -11,12 +11,13 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.target import Target
 
-from . import block_row, column_reduce, cpu_rows, grid_reduce, grid_sync, matmul, warp_row
+from . import block_row, column_reduce, conv2d, cpu_rows, grid_reduce, grid_sync, matmul, warp_row
 from .analysis import ROW, const_int, match
 from .device import device_of
 
 # Heuristic order: the first strategy whose default_knobs accepts the pattern wins.
 STRATEGIES = {s.NAME: s for s in (warp_row, grid_reduce, grid_sync, block_row, column_reduce, cpu_rows)}
+CONTRACTIONS = {s.NAME: s for s in (matmul, conv2d)}  # GPU templates that take a whole PrimFunc
 
 
 # A symbolic row width gets one kernel per width class, chosen at run time (tvm_ext.variants).
@@ -76,12 +77,21 @@ def _first_applicable(func, pattern, device) -> tuple | None:
     return None
 
 
+def gpu_contraction(func: tirx.PrimFunc) -> bool:
+    """Whether `func` is a contraction one of our GPU templates takes: a tensor-core matmul or a
+    direct convolution (with the elementwise work after either)."""
+    return matmul.tensor_core_matmul(func) is not None or conv2d.convolution(func) is not None
+
+
 def _heuristic(func: tirx.PrimFunc, target: Target) -> tuple | None:
     """(knobs, Schedule) the heuristic picks for `func`: on a GPU, the matmul template's for a
-    tensor-core matmul; else the first reduce strategy that fits; None when none does."""
+    tensor-core matmul and the conv2d template's for a convolution; else the first reduce strategy
+    that fits; None when none does."""
     device = device_of(target)
     if device.is_gpu and matmul.tensor_core_matmul(func) is not None:
         return matmul.heuristic(func, device.sm_count)
+    if device.is_gpu and conv2d.convolution(func) is not None:
+        return conv2d.heuristic(func)
     pattern = match(func)
     return None if pattern is None else _first_applicable(func, pattern, device)
 
@@ -98,7 +108,7 @@ def schedule(func: tirx.PrimFunc, target: Target, knobs: dict | None = None) -> 
     if not knobs:
         found = _heuristic(func, target)
         return found[1] if found else None
-    if knobs.get("strategy") == matmul.NAME:
-        return matmul.apply(func, knobs)
+    if knobs.get("strategy") in CONTRACTIONS:
+        return CONTRACTIONS[knobs["strategy"]].apply(func, knobs)
     pattern, strategy = match(func), STRATEGIES.get(knobs.get("strategy"))
     return None if pattern is None or strategy is None else strategy.apply(pattern, device_of(target), knobs)

@@ -5,7 +5,8 @@ mean/variance pairing (Welford) -> LegalizeOps (with our legalizations) -> Annot
 FoldConstant -> FuseOps -> ours (reduce_fusion.py) -> FuseTIR -> leave dataflow form -> our
 schedules for every fused PrimFunc with a reduction (several kernels and a run-time `if` where dims
 are symbolic; zero-filled state inputs for grid reductions) -> the matmul template for fp16/int8
-matmuls and their epilogues (GPU; tensor cores come from the AutoTensorize TIR pass) -> TVM's dlight
+matmuls and the conv2d template for convolutions, with their epilogues (GPU; tensor cores come from
+the AutoTensorize TIR pass) -> TVM's dlight
 rules for the rest (GPU)
 -> int32 indices where safe, int32/int64 twins where shapes are symbolic (narrowing.py) ->
 CallTIRRewrite -> VM finalisation. The TIR passes of `tvm_ext.passes` run later, inside
@@ -24,7 +25,6 @@ from tvm.s_tir import pipeline as s_tir_pipeline
 from tvm.target import Target
 
 import schedules
-from schedules import matmul
 from schedules.analysis import is_reduce_subgraph
 from schedules.grid_reduce import ZEROED_INPUTS
 
@@ -89,12 +89,12 @@ class ScheduleReductions:
         return mod
 
 
-@tvm.transform.module_pass(opt_level=0, name="TVMExtScheduleMatmuls")
-class ScheduleMatmuls:
-    """Schedule fp16/int8 matmuls, with the elementwise work FuseOps put after them, with the
-    thread-level matmul template (knobs from the tuning log, else its heuristic); the
-    auto-tensorization TIR pass makes tensor-core code of them at build time. The rest (bf16,
-    symbolic or odd sizes) stays for TVM's dlight rules."""
+@tvm.transform.module_pass(opt_level=0, name="TVMExtScheduleContractions")
+class ScheduleContractions:
+    """Schedule fp16/int8 matmuls and direct convolutions, with the elementwise work FuseOps put
+    after them, with our GPU templates (knobs from the tuning log, else the template's heuristic);
+    the auto-tensorization TIR pass makes tensor-core code of the matmuls at build time. The rest
+    (bf16, symbolic or odd sizes) stays for TVM's dlight rules."""
 
     def __init__(self, database: Database | None = None):
         self.database = database
@@ -103,7 +103,7 @@ class ScheduleMatmuls:
         target = Target.current()
         for gv, func in list(mod.functions_items()):
             if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False) \
-                    or matmul.tensor_core_matmul(func) is None:
+                    or not schedules.gpu_contraction(func):
                 continue
             sch = schedules.schedule(func, target, self.database.lookup(func, target) if self.database else None)
             if sch is not None:
@@ -181,7 +181,7 @@ def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **opt
             ScheduleReductions(database),
         ]
         if "gpu" in target.keys:
-            passes += [ScheduleMatmuls(database), _dlight_defaults()]
+            passes += [ScheduleContractions(database), _dlight_defaults()]
         passes += ([narrow_indices] if narrow else []) + [relax.transform.CallTIRRewrite()]
         passes += relax.pipeline.finalize_passes(target)
         return tvm.transform.Sequential(passes)(mod)
