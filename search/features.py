@@ -10,21 +10,22 @@ import hashlib
 import math
 
 import numpy as np
+import tvm
 from tvm import tirx
 from tvm.target import Target
 
-from schedules import matmul
+from schedules import conv2d, matmul
 from schedules.analysis import ReducePattern, const_int, match
 from schedules.device import Device, device_of
 from schedules.dispatch import STRATEGIES
 from schedules.rows import cached_inputs, estimated_registers, row_bytes
 
 NOMINAL = 4096  # stands for a symbolic extent
-NAMES = tuple(f"is_{name}" for name in STRATEGIES) + ("is_matmul",) + (
+NAMES = tuple(f"is_{name}" for name in STRATEGIES) + ("is_matmul", "is_conv2d") + (
     "log2_row_elements", "log2_rows", "log2_bytes", "reductions", "elementwise_epilogue", "symbolic",
     "threads", "log2_blocks", "waves", "sm_utilisation", "occupancy", "log2_bytes_per_thread", "vector_bytes",
     "staged", "staged_bytes_per_block", "log2_lanes_per_row",
-    "log2_k_per_step", "pipeline_stages", "log2_warp_tile")  # the last three: matmul only (0 otherwise)
+    "log2_k_per_step", "pipeline_stages", "log2_warp_tile")  # the last three: contractions only (0 otherwise)
 # Names (and so meaning) of a logged feature vector: records of another schema are not trained on
 SCHEMA = hashlib.sha1(",".join(NAMES).encode()).hexdigest()[:12]
 
@@ -57,7 +58,7 @@ def features(pattern: ReducePattern, knobs: dict, device: Device) -> np.ndarray:
     resident = device.resident_blocks(threads, estimated_registers(pattern), staged_bytes) if device.is_gpu else 1
     slots = max(1, device.sm_count * resident)
     waves = blocks / slots
-    strategy = [float(knobs["strategy"] == name) for name in STRATEGIES] + [0.0]
+    strategy = [float(knobs["strategy"] == name) for name in STRATEGIES] + [0.0, 0.0]
     epilogue = pattern.epilogue is not None and pattern.epilogue.dom_kind() != "S" * pattern.num_spatial
     symbolic = const_int(pattern.row_count) is None or const_int(pattern.reduce_extent) is None
     values = strategy + [
@@ -83,11 +84,34 @@ def matmul_features(block, knobs: dict, epilogue: bool, device: Device) -> np.nd
     resident = device.resident_blocks(threads, registers, smem)
     slots = max(1, device.sm_count * resident)
     waves = blocks / slots
-    values = [0.0] * len(STRATEGIES) + [1.0] + [
+    values = [0.0] * len(STRATEGIES) + [1.0, 0.0] + [
         math.log2(k), math.log2(outputs), math.log2(math.prod(batch) * (m * k + k * n) * item + outputs * 4), 1,
         float(epilogue), 0.0, threads, math.log2(blocks), waves, blocks / (math.ceil(waves) * slots),
         threads * resident / device.threads_per_sm, math.log2(bm * bn * 4 / threads), int(knobs["vec"]) * item,
         1.0, smem, 0.0, math.log2(bk), stages, math.log2(warp_tile)]
+    return np.asarray(values, dtype="float32")
+
+
+def conv2d_features(block, knobs: dict, epilogue: bool, device: Device) -> np.ndarray:
+    """The same quantities for a direct-convolution candidate: each output reduces C x R x S
+    products; the stage is a step's input window and weights; lanes per row, the threads along a
+    row of pixels, each writing `xi` adjacent outputs; the pipeline stages, the virtual threads;
+    the warp tile, a thread's channels x rows times a warp."""
+    n, f, y, x, c, r, s = (int(iv.dom.extent) for iv in block.iter_vars)
+    item = tvm.DataType(str(block.writes[0].source.dtype)).bits // 8
+    k = {name: int(value) for name, value in knobs.items() if name != "strategy"}
+    tile = [k["v" + a] * k["t" + a] * k[a + "i"] for a in conv2d.AXES]
+    threads, per_thread = k["tf"] * k["ty"] * k["tx"], math.prod(tile) // (k["tf"] * k["ty"] * k["tx"])
+    blocks = n * f * y * x // math.prod(tile)
+    smem = (k["rc"] * (tile[1] + r - 1) * (tile[2] + s - 1) + tile[0] * k["rc"] * r * s) * item
+    resident = device.resident_blocks(threads, min(255, 32 + per_thread), smem)
+    slots = max(1, device.sm_count * resident)
+    waves = blocks / slots
+    values = [0.0] * len(STRATEGIES) + [0.0, 1.0] + [
+        math.log2(c * r * s), math.log2(n * f * y * x), math.log2((n * c * y * x + f * c * r * s + n * f * y * x) * item),
+        1, float(epilogue), 0.0, threads, math.log2(blocks), waves, blocks / (math.ceil(waves) * slots),
+        threads * resident / device.threads_per_sm, math.log2(per_thread), k["xi"] * item, 1.0, smem,
+        math.log2(k["tx"]), math.log2(k["rc"]), k["vf"] * k["vy"] * k["vx"], math.log2(k["fi"] * k["yi"] * 32)]
     return np.asarray(values, dtype="float32")
 
 
@@ -99,5 +123,8 @@ def candidate_features(func: tirx.PrimFunc, points: list[dict], target: Target) 
     if points[0]["strategy"] == matmul.NAME:
         sch, block, epilogue = matmul.contraction(func)
         return np.stack([matmul_features(sch.get(block), knobs, bool(epilogue), device) for knobs in points])
+    if points[0]["strategy"] == conv2d.NAME:
+        sch, _, block, epilogue = conv2d.convolution(func)
+        return np.stack([conv2d_features(sch.get(block), knobs, bool(epilogue), device) for knobs in points])
     pattern = match(func)
     return np.stack([features(pattern, knobs, device) for knobs in points])

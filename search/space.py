@@ -1,7 +1,7 @@
 """Space: every valid knob point of every schedule template for a task, on a target.
 
 Each template lists its own points (`knob_space` beside its `default_knobs` in schedules/; for a
-tensor-core matmul, the matmul template's tilings that fit), built from its validity rules (vector
+tensor-core matmul or a convolution, that template's tilings that fit), built from its validity rules (vector
 widths that divide the row, threads per block, shared memory for a staged row, co-residency of a
 cooperative grid), so an invalid point is never built.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.target import Target
 
-from schedules import matmul
+from schedules import conv2d, matmul
 from schedules.analysis import match
 from schedules.device import device_of
 from schedules.dispatch import STRATEGIES, heuristic_knobs
@@ -23,6 +23,8 @@ def knob_space(func: tirx.PrimFunc, target: Target) -> list[dict]:
     device = device_of(target)
     if device.is_gpu and matmul.tensor_core_matmul(func) is not None:  # the matmul template's tilings
         points = matmul.knob_space(func)
+    elif device.is_gpu and conv2d.convolution(func) is not None:  # the conv2d template's tilings
+        points = conv2d.tiling_grid(func)
     else:
         pattern = match(func)
         if pattern is None:

@@ -1,4 +1,4 @@
-"""Task extraction: the fused reduce subgraphs of a model (and, on a GPU, its tensor-core matmuls),
+"""Task extraction: the fused reduce subgraphs of a model (and, on a GPU, its tensor-core matmuls and convolutions),
 each with a stable key and a weight.
 
 A task is what the tuner searches knobs for: one fused PrimFunc as the pipeline will schedule it.
@@ -17,7 +17,7 @@ from tvm import relax, tirx
 from tvm.target import Target
 
 from schedules.analysis import is_reduce_subgraph
-from schedules.matmul import tensor_core_matmul
+from schedules import gpu_contraction
 from tvm_ext.pipeline import fused_module
 from tvm_ext.records import task_key
 from tvm_ext.target import parse_target
@@ -50,7 +50,7 @@ def extract_tasks(mods, target, **options) -> list[Task]:
     """The tasks of `mods` (one IRModule or a list of them, e.g. a suite) on `target`, heaviest
     first (then by name)."""
     target = target if isinstance(target, Target) else parse_target(target)
-    gpu = "gpu" in target.keys  # where matmuls are ours too (the template needs the tensor cores)
+    gpu = "gpu" in target.keys  # where matmuls and convolutions are ours too (GPU templates)
     tasks: dict = {}
     for mod in mods if isinstance(mods, (list, tuple)) else [mods]:
         fused = fused_module(mod, target, **options)
@@ -58,7 +58,7 @@ def extract_tasks(mods, target, **options) -> list[Task]:
         for gv, func in sorted(fused.functions_items(), key=lambda item: item[0].name_hint):
             if not isinstance(func, tirx.PrimFunc):
                 continue
-            if not (is_reduce_subgraph(func) or gpu and tensor_core_matmul(func) is not None):
+            if not (is_reduce_subgraph(func) or gpu and gpu_contraction(func)):
                 continue
             key = task_key(func, target)
             first = tasks.get(key)

@@ -110,3 +110,32 @@ def test_every_tiling_is_right_on_the_gpu(rng):
         out = tvm.runtime.empty(want.shape, "float32", dev)
         lib["main"](tvm.runtime.tensor(x, dev), tvm.runtime.tensor(k, dev), out)
         np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=str(tiling))
+
+
+def test_the_tuner_sees_convolutions_with_the_heuristic_point_first():
+    from search.features import NAMES, candidate_features  # noqa: PLC0415
+    from search.space import knob_space  # noqa: PLC0415
+    from search.tasks import extract_tasks  # noqa: PLC0415
+
+    target = tvm_ext.parse_target(CUDA_TARGET)
+    tasks = extract_tasks(conv_scale_residual_relu(4, 64, 56, 56), target)
+    assert [t.name for t in tasks] == ["fused_conv2d_multiply_add_relu"]
+    points = knob_space(tasks[0].func, target)
+    assert points[0] == conv2d.heuristic(tasks[0].func)[0] and len(points) > 100
+    x = candidate_features(tasks[0].func, points[:50], target)
+    assert x.shape == (50, len(NAMES)) and np.isfinite(x).all()
+    assert (x[:, NAMES.index("is_conv2d")] == 1).all() and (x[:, NAMES.index("is_matmul")] == 0).all()
+    assert len(set(map(tuple, x))) == 50  # every candidate looks different to the cost model
+
+
+def test_the_cpu_reference_of_a_convolution_is_right(rng):
+    from search.measure import _reference  # noqa: PLC0415
+
+    n, c, h, w, f = 2, 16, 9, 9, 8
+    lib = tvm.compile(_reference(conv_func(n, c, h, w, f)).with_attr("global_symbol", "main"), target="llvm")
+    x, k = rng.standard_normal((n, c, h, w)).astype("float32"), rng.standard_normal((f, c, 3, 3)).astype("float32")
+    out = tvm.runtime.tensor(np.zeros((n, f, h, w), "float32"))
+    lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(k), out)
+    pad = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    want = sum(np.einsum("nchw,fc->nfhw", pad[:, :, r:r + h, q:q + w], k[:, :, r, q]) for r in range(3) for q in range(3))
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-4)
