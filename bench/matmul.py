@@ -1,13 +1,15 @@
 """Tensor-core matmuls from the thread-level template: ours (template + auto-tensorization) against
 cuBLAS, TVM dlight's Matmul rule and the same schedule without the pass, in one run on this GPU.
 
-    python -m bench.matmul --out bench/results/h200-DATE-matmul [--shapes 4096x4096x4096,...]
+    python -m bench.matmul --out bench/results/h200-DATE-matmul [--shapes 4096x4096x4096,...] [--dtype int8]
 
 For each (M, N, K): a few template tilings are built with the pass and the fastest is reported;
 "plain" is that same tiling without the pass; "tvm_ext.build" is the whole pipeline on the Relax
 matmul (the template's heuristic tiling). Ours and plain write fp32 (the template's
 accumulator); cuBLAS (`torch.matmul`) and the anchors are fp16 in and out; dlight builds the same
 fp16 -> fp32 Relax matmul with TVM's default pipeline. Every output is checked against cuBLAS.
+With --dtype int8 the operands are int8 and every product int32, against cuBLAS's `torch._int_mm`
+(TOPS instead of TFLOP/s); the check is then exact.
 """
 
 from __future__ import annotations
@@ -53,46 +55,57 @@ def tflops(m, n, k, us) -> float:
     return 2 * m * n * k / us / 1e6
 
 
-def run_shape(m: int, n: int, k: int, target) -> dict:
+ACCUMULATOR = {"float16": "float32", "int8": "int32"}
+
+
+def run_shape(m: int, n: int, k: int, target, dtype: str = "float16") -> dict:
     import torch  # noqa: PLC0415 (after tvm, as the field guide says; the CPU tests import this module)
     from triton.testing import do_bench  # noqa: PLC0415
 
-    a = torch.randn(m, k, device="cuda", dtype=torch.float16)
-    b = torch.randn(k, n, device="cuda", dtype=torch.float16)
-    want = torch.matmul(a, b)
-    row = {"shape": [m, n, k], "cublas_us": do_bench(lambda: torch.matmul(a, b), return_mode="median") * 1e3}
-    c = torch.empty(m, n, device="cuda", dtype=torch.float32)
+    if dtype == "int8":
+        a = torch.randint(-64, 64, (m, k), device="cuda", dtype=torch.int8)
+        b = torch.randint(-64, 64, (k, n), device="cuda", dtype=torch.int8)
+        cublas = torch._int_mm  # int8 x int8 -> int32 on the tensor cores
+    else:
+        a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.float16)
+        cublas = torch.matmul
+    want = cublas(a, b)
+    row = {"shape": [m, n, k], "dtype": dtype, "cublas_us": do_bench(lambda: cublas(a, b), return_mode="median") * 1e3}
+    c = torch.empty(m, n, device="cuda", dtype=getattr(torch, ACCUMULATOR[dtype]))
 
     def timed(fn):
         c.fill_(float("nan"))
         fn(a, b, c)
-        err = float((c - want.float()).abs().max() / want.float().abs().max())
+        err = float((c.double() - want.double()).abs().max() / want.double().abs().max())
         return do_bench(lambda: fn(a, b, c), return_mode="median") * 1e3, err
 
-    func = template_func(m, n, k)
+    func = template_func(m, n, k, dtype, ACCUMULATOR[dtype])
     tried = []
     for tiling in matmul.TILINGS:
-        knobs = matmul.tiling_knobs(*tiling)
+        knobs = matmul.tiling_knobs(*tiling, itemsize=1 if dtype == "int8" else 2)
         fn = build(func, knobs, True, target)
         if fn is not None:
             us, err = timed(fn)
             tried.append({"knobs": knobs, "us": us, "err": err})
-    good = [t for t in tried if t["err"] < 1e-2]
+    good = [t for t in tried if t["err"] < 1e-2 if dtype == "float16" or t["err"] == 0]
     if good:
         best = min(good, key=lambda t: t["us"])
         row.update(ours_us=best["us"], ours_err=best["err"], knobs=best["knobs"])
         row["plain_us"], row["plain_err"] = timed(build(func, best["knobs"], False, target))
     else:
         row["ours_error"] = "no tiling of the template fits this shape" if not tried else "wrong results"
-    for impl, executable in (("dlight", lambda: tvm.compile(relax_matmul(m, n, k), target=target)),
-                             ("pipeline", lambda: tvm_ext.build(relax_matmul(m, n, k), target))):
+    relax_mod = relax_matmul(m, n, k, dtype, ACCUMULATOR[dtype])
+    for impl, executable in (("dlight", lambda: tvm.compile(relax_mod, target=target)),
+                             ("pipeline", lambda: tvm_ext.build(relax_mod, target))):
         try:
             main = VirtualMachine(executable(), tvm.cuda())["main"]
             out = main(tvm.runtime.from_dlpack(a), tvm.runtime.from_dlpack(b))
         except Exception as err:  # one failing implementation must not sink the table
             row[f"{impl}_error"] = str(err).splitlines()[0][:200]
             continue
-        row[f"{impl}_err"] = float((torch.from_dlpack(out) - want.float()).abs().max() / want.float().abs().max())
+        got = torch.from_dlpack(out).double()
+        row[f"{impl}_err"] = float((got - want.double()).abs().max() / want.double().abs().max())
         row[f"{impl}_us"] = do_bench(lambda: main(tvm.runtime.from_dlpack(a), tvm.runtime.from_dlpack(b)),
                                      return_mode="median") * 1e3
     row["tried"] = tried
@@ -100,7 +113,10 @@ def run_shape(m: int, n: int, k: int, target) -> dict:
 
 
 def table(rows: list, device: str) -> str:
-    lines = [f"{device}; TFLOP/s = 2MNK / median time. Ours and plain: fp16 in, fp32 out; cuBLAS: fp16 in/out.", "",
+    int8 = rows and rows[0].get("dtype") == "int8"
+    what = ("TOPS = 2MNK / median time. int8 in, int32 out (cuBLAS: torch._int_mm)." if int8 else
+            "TFLOP/s = 2MNK / median time. Ours and plain: fp16 in, fp32 out; cuBLAS: fp16 in/out.")
+    lines = [f"{device}; {what}", "",
              "| M x N x K | cuBLAS | ours (pass) | plain (no pass) | dlight | tvm_ext.build | ours / cuBLAS | "
              "ours / dlight | ours / plain | tvm_ext.build / cuBLAS | tiling (bm, wm, bn, bk, stages) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -123,6 +139,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="path prefix: writes .json and .md")
     ap.add_argument("--shapes", default="", help="comma-separated MxNxK (default: the issue's five)")
+    ap.add_argument("--dtype", default="float16", choices=sorted(ACCUMULATOR), help="operand type")
     args = ap.parse_args(argv)
     import torch  # noqa: PLC0415
 
@@ -130,7 +147,7 @@ def main(argv=None) -> int:
     target = tvm_ext.parse_target("cuda")
     rows, device = [], torch.cuda.get_device_name()
     for shape in shapes:  # written after each shape: a run cut short keeps what it measured
-        rows.append(run_shape(*shape, target))
+        rows.append(run_shape(*shape, target, args.dtype))
         print(rows[-1] | {"tried": len(rows[-1]["tried"])}, flush=True)
         write_json_and_markdown(args.out, {"device": device, "rows": rows}, table(rows, device))
     return 0

@@ -103,9 +103,12 @@ TILINGS = [
 ]
 
 
-def tiling_knobs(block_m: int, warp_m: int, thread_n: int, warp_n: int, block_k: int, stages: int) -> dict:
+def tiling_knobs(block_m: int, warp_m: int, thread_n: int, warp_n: int, block_k: int, stages: int,
+                 itemsize: int = 2) -> dict:
+    """A TILINGS entry as knobs; shared rows padded by 16 bytes (8 fp16 or 16 int8 elements: rows
+    must stay 16-byte aligned, so the fp16 padding refused every int8 tiling)."""
     return {**default_knobs(), "block_m": block_m, "warp_m": warp_m, "thread_n": thread_n, "warp_n": warp_n,
-            "block_n": warp_n * WARP * thread_n, "block_k": block_k, "stages": stages}
+            "block_n": warp_n * WARP * thread_n, "block_k": block_k, "stages": stages, "pad": 16 // itemsize}
 
 
 def tensor_core_matmul(func: tirx.PrimFunc):
@@ -122,9 +125,11 @@ def tensor_core_matmul(func: tirx.PrimFunc):
 
 def knob_space(func: tirx.PrimFunc) -> list[dict]:
     """The tilings of TILINGS that fit `func` (the tuner's space for a matmul task)."""
-    if tensor_core_matmul(func) is None:
+    block = tensor_core_matmul(func)
+    if block is None:
         return []
-    return [knobs for knobs in (tiling_knobs(*t) for t in TILINGS) if apply(func, knobs) is not None]
+    itemsize = operand_itemsize(block)
+    return [knobs for knobs in (tiling_knobs(*t, itemsize) for t in TILINGS) if apply(func, knobs) is not None]
 
 
 def operand_itemsize(block) -> int:
@@ -147,7 +152,7 @@ def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule]
     if block is None:
         return None
     *batch, m, n, _ = (int(iv.dom.extent) for iv in block.iter_vars)
-    candidates = [tiling_knobs(*t) for t in TILINGS]
+    candidates = [tiling_knobs(*t, operand_itemsize(block)) for t in TILINGS]
     blocks = [math.prod(batch) * (m // knobs["block_m"]) * (n // knobs["block_n"]) for knobs in candidates]
     filled = [knobs for knobs, count in zip(candidates, blocks) if count >= 0.9 * sm_count]
     by_count = [knobs for count, knobs in sorted(zip(blocks, candidates), key=lambda pair: -pair[0])

@@ -324,25 +324,26 @@ def test_one_k_step_per_tile_is_not_pipelined_further():
 
 
 @pytest.mark.gpu
-def test_every_tiling_is_right_on_the_gpu(rng):
+@pytest.mark.parametrize("dtype, acc", [("float16", "float32"), ("int8", "int32")])
+def test_every_tiling_is_right_on_the_gpu(dtype, acc, rng):
     """Each tiling of TILINGS that fits, with its pipelined copies and fragment loads, gives the
     exact product of small integers (a race between a fragment load and the copy that refills its
     shared tile would show as wrong sums)."""
     from tvm_ext.tensorize import auto_tensorize  # noqa: PLC0415
 
     m, n, k = 512, 512, 512
-    func, dev = legalized_matmul(m, n, k), tvm.cuda()
-    a, b = rng.integers(-3, 4, [m, k]).astype("float16"), rng.integers(-3, 4, [k, n]).astype("float16")
-    want = a.astype("float32") @ b.astype("float32")
+    func, dev = legalized_matmul(m, n, k, dtype, acc), tvm.cuda()
+    a, b = rng.integers(-3, 4, [m, k]).astype(dtype), rng.integers(-3, 4, [k, n]).astype(dtype)
+    want = (a.astype("int64") @ b.astype("int64")).astype(acc)
     tested = 0
     for tiling in matmul.TILINGS:
-        sch = matmul.apply(func, matmul.tiling_knobs(*tiling))
+        sch = matmul.apply(func, matmul.tiling_knobs(*tiling, itemsize=tvm.DataType(dtype).bits // 8))
         if sch is None:
             continue
         with tvm.transform.PassContext(config={"tirx.use_async_copy": True}):
             scheduled_func = auto_tensorize(sch.mod["main"]).with_attr("global_symbol", "main")
             lib = tvm.compile(tvm.IRModule({"main": scheduled_func}), target=tvm_ext.parse_target("cuda"))
-        args = [tvm.runtime.tensor(a, dev), tvm.runtime.tensor(b, dev), tvm.runtime.empty([m, n], "float32", dev)]
+        args = [tvm.runtime.tensor(a, dev), tvm.runtime.tensor(b, dev), tvm.runtime.empty([m, n], acc, dev)]
         lib["main"](*args)
         np.testing.assert_array_equal(args[2].numpy(), want, err_msg=str(tiling))
         tested += 1
@@ -356,3 +357,18 @@ def test_a_tiling_beyond_the_shared_memory_a_block_may_have_is_refused():
     assert matmul.shared_bytes(knobs, 2) == 235008 > matmul.MAX_SHARED
     assert matmul.apply(legalized_matmul(16, 4096, 4096), knobs) is None
     assert matmul.apply(legalized_matmul(16, 4096, 4096), matmul.tiling_knobs(16, 16, 2, 1, 64, 12)) is not None
+
+
+def test_int8_matmuls_get_the_template_with_16_byte_rows():
+    """With fp16's padding of 8 elements an int8 row of 32 + 8 bytes is not 16-byte aligned: every
+    tiling was refused, and TVM's own int8 path then failed to build (H200 run, session 8)."""
+    func = legalized_matmul(1024, 1024, 1024, "int8", "int32")
+    space = matmul.knob_space(func)
+    assert len(space) >= 10 and all(k["pad"] == 16 for k in space)
+    knobs, _ = matmul.heuristic(func, 132)
+    assert knobs["pad"] == 16 and knobs["block_m"] == 128
+    source = tvm_ext.introspect.cuda_source(tvm_ext.build(
+        main_module(lambda bb, a, b: relax.op.matmul(a, b, out_dtype="int32"),
+                    [relax.Var("a", relax.TensorType([1024, 1024], "int8")),
+                     relax.Var("b", relax.TensorType([1024, 1024], "int8"))]), CUDA_TARGET))
+    assert "wmma::mma_sync" in source and "signed char" in source
