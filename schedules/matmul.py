@@ -147,13 +147,13 @@ def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule]
     """(knobs, Schedule) of the first tiling in TILINGS order that fits `func` with about one full
     wave of blocks (90% of the SMs or more); failing that, of the fitting tiling with the most
     blocks; None when the template does not fit at all (operands the tensor cores cannot take,
-    symbolic or odd sizes)."""
+    symbolic sizes, rows that are not a whole number of copy vectors)."""
     block = tensor_core_matmul(func)
     if block is None:
         return None
     *batch, m, n, _ = (int(iv.dom.extent) for iv in block.iter_vars)
     candidates = [tiling_knobs(*t, operand_itemsize(block)) for t in TILINGS]
-    blocks = [math.prod(batch) * (m // knobs["block_m"]) * (n // knobs["block_n"]) for knobs in candidates]
+    blocks = [math.prod(batch) * -(-m // knobs["block_m"]) * -(-n // knobs["block_n"]) for knobs in candidates]
     filled = [knobs for knobs, count in zip(candidates, blocks) if count >= 0.9 * sm_count]
     by_count = [knobs for count, knobs in sorted(zip(blocks, candidates), key=lambda pair: -pair[0])
                 if count < 0.9 * sm_count]
@@ -186,15 +186,23 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     itemsize = operand_itemsize(sch.get(block))
     if any((row + pad) * itemsize % 16 for row in (bk, bn)):
         return None  # padded shared rows must stay 16-byte aligned (vector copies; WMMA loads need it)
+    rows = [load.source.shape[-1] for load in multiply_accumulate(sch.get(block).body)]
+    if any(int(row) % vec for row in rows) or int(sch.get(block).writes[0].source.shape[-1]) % tn:
+        return None  # each vector copy (of A, of B, of C's columns) must start 16-byte aligned
     warps = bm // wm * wn
     threads = warps * WARP
-    if bm % wm or bn != wn * WARP * tn or m % bm or n % bn or k % bk or (bm * bk) % (vec * threads) \
+    m, n, k = (-(-size // tile) * tile for size, tile in ((m, bm), (n, bn), (k, bk)))  # padded up to whole tiles
+    if bm % wm or bn != wn * WARP * tn or (bm * bk) % (vec * threads) \
             or (bk * bn) % (vec * threads) or stages < 1 or k // bk < stages:
-        return None  # tiles must divide the problem, the warps the block's tile, copies the tiles
+        return None  # the warps must divide the block's tile, the copies the tiles
     if shared_bytes(knobs, itemsize) > MAX_SHARED:
         return None  # the launch would fail ("Failed to set the allowed dynamic shared memory size")
+    pads, copy_out = [], None
+    if [m, n, k] != [int(e) for e in extents[-3:]]:  # zero-filled operands, the rows and columns past C's edge dropped
+        sch.pad_einsum(block, [1] * (len(extents) - 3) + [bm, bn, bk])
+        pads, (copy_out,) = sch.get_producers(block), sch.get_consumers(block)
     staged = None
-    if epilogue:  # C -> shared staging -> the epilogue, computed as it is written out
+    if epilogue or copy_out:  # C -> shared staging -> the epilogue, computed as it is written out
         stage = bm * bn * tvm.DataType(str(sch.get(block).writes[0].source.dtype)).bits // 8
         operands = shared_bytes(knobs, itemsize)
         # Static when the block's shared memory stays under 48 KB: beyond it TVM opts a kernel in to
@@ -203,7 +211,12 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
         # ("tvm_access_ptr element type must match the source buffer").
         if stage + operands > STATIC_SHARED and stage <= stages * max(bm * (bk + pad), bk * (bn + pad)) * itemsize:
             return None
-        staged = sch.cache_write(block, 0, "shared" if stage + operands <= STATIC_SHARED else "shared.dyn")
+        scope = "shared" if stage + operands <= STATIC_SHARED else "shared.dyn"
+        if copy_out:  # the padded C itself is the stage; its copy to C keeps the bounds check (T.where)
+            sch.set_scope(block, 0, scope)  # that reverse_compute_inline would drop, writing past C's rows
+            staged = copy_out
+        else:
+            staged = sch.cache_write(block, 0, scope)
         for consumer in epilogue:
             sch.reverse_compute_inline(consumer)
     *batch, i, j, kk = sch.get_loops(block)
@@ -235,6 +248,8 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
         if pad:  # rows `pad` elements apart from the next bank pattern: fewer shared-memory bank conflicts
             sch.storage_align(shared, 0, axis=-2, factor=bk if index == 0 else bn, offset=pad)
         sch.compute_at(sch.cache_read(block, index, "local"), ki)
+    for pad in pads:  # the zero fill computed in the shared-memory copies
+        sch.compute_inline(pad)
     if stages > 1:  # ko's body: copy A, copy B, compute; the copies run `stages - 1` steps ahead
         sch.annotate(ko, "software_pipeline_stage", [0, 0, stages - 1])
         sch.annotate(ko, "software_pipeline_order", [0, 1, 2])

@@ -94,7 +94,7 @@ class ScheduleContractions:
     """Schedule fp16/int8 matmuls and direct convolutions, with the elementwise work FuseOps put
     after them, with our GPU templates (knobs from the tuning log, else the template's heuristic);
     the auto-tensorization TIR pass makes tensor-core code of the matmuls at build time. The rest
-    (bf16, symbolic or odd sizes) stays for TVM's dlight rules."""
+    (bf16, symbolic sizes, rows not a whole number of 16-byte vectors) stays for TVM's dlight rules."""
 
     def __init__(self, database: Database | None = None):
         self.database = database
