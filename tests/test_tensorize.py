@@ -423,3 +423,29 @@ def test_padded_matmuls_are_right_on_the_gpu(m, n, k, rng):
         args = [tvm.runtime.tensor(a, dev), tvm.runtime.tensor(b, dev), tvm.runtime.empty([m, n], "float32", dev)]
         lib["main"](*args)
         np.testing.assert_array_equal(args[2].numpy(), want, err_msg=str(knobs))
+
+
+def test_the_heuristic_prefers_tiles_that_divide_c_over_padded_ones():
+    """With padding allowed, a 128-row tile also 'fits' M = 16, and ties on block count with the
+    16-row tiles: picked, it computed 8x the product (4 TFLOP/s through tvm_ext.build on the H200)."""
+    knobs, _ = matmul.heuristic(legalized_matmul(16, 4096, 4096), 132)
+    assert knobs["block_m"] == 16 and knobs["stages"] >= 8
+    knobs, _ = matmul.heuristic(legalized_matmul(4096, 1000, 1024), 132)  # nothing divides 1000: padded
+    assert knobs["block_n"] in (128, 256)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile the CUDA source")
+def test_every_int8_tiling_of_a_32_row_product_compiles_with_nvcc():
+    """Padded int8 tiles are refused: TVM 0.27 prints their zero fill as make_int2 of 8 chars."""
+    from tvm_ext.tensorize import auto_tensorize  # noqa: PLC0415
+
+    func = legalized_matmul(32, 512, 512, "int8", "int32")
+    space = matmul.knob_space(func)
+    assert space and all(k["block_m"] <= 32 for k in space)
+    for knobs in space:
+        with tvm.transform.PassContext(config={"tirx.use_async_copy": True}):
+            tensorized = auto_tensorize(matmul.apply(func, knobs).mod["main"]).with_attr("global_symbol", "main")
+            lib = tvm.compile(tvm.IRModule({"main": tensorized}), target=tvm_ext.parse_target(CUDA_TARGET))
+        with tvm_ext.parse_target(CUDA_TARGET):
+            cubin = nvcc.compile_cuda(lib.mod.imports[0].inspect_source("cuda"), target_format="cubin", compiler="nvcc")
+        assert bytes(cubin[:4]) == b"\x7fELF", knobs
