@@ -1,0 +1,72 @@
+"""q @ k.transpose(-1, -2) read as one matmul over the untransposed k."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import tvm_ext
+from bench.spelled import main_module
+from conftest import CUDA_TARGET
+from schedules import matmul
+from tvm_ext.introspect import cuda_source
+from tvm_ext.transposed_operand import read_transposed_operand
+
+
+def attention_scores(shape, dtype, axes=(0, 1, 3, 2)):
+    """matmul(q, permute_dims(k)) as TVM's PyTorch frontend writes it: the transposed key broadcast
+    to itself and reshaped to 3-D batches."""
+    b, h, n, d = shape
+    q, k = (relax.Var(name, relax.TensorType(list(shape), dtype)) for name in "qk")
+
+    def body(bb, q, k):
+        kt = bb.emit(relax.op.permute_dims(k, list(axes)))
+        kt = bb.emit(relax.op.broadcast_to(kt, kt.ty.shape))
+        kt = bb.emit(relax.op.reshape(kt, [b * h, *[int(x) for x in kt.ty.shape.values[-2:]]]))
+        return relax.op.matmul(bb.emit(relax.op.reshape(q, [b * h, n, d])), kt, out_dtype="float32")
+    return main_module(body, [q, k])
+
+
+def _ops(mod) -> list:
+    text = mod["main"].script()
+    return [op for op in ("permute_dims", "matmul_nt", "R.matmul") if op in text]
+
+
+def test_the_transposed_key_is_read_as_stored():
+    mod = read_transposed_operand(attention_scores((2, 4, 64, 32), "float16"))
+    assert _ops(mod) == ["matmul_nt"]  # no transpose left, no plain matmul
+
+
+def test_other_permutations_are_left_alone():
+    mod = read_transposed_operand(attention_scores((2, 4, 32, 32), "float16", axes=(1, 0, 2, 3)))
+    assert _ops(mod) == ["permute_dims", "R.matmul"]
+
+
+def test_the_result_is_the_product_with_the_transpose(rng):
+    from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
+
+    q, k = rng.standard_normal((2, 2, 3, 16, 8)).astype("float32")
+    out = VirtualMachine(tvm_ext.build(attention_scores(q.shape, "float32"), "llvm"), tvm.cpu())["main"](
+        tvm.runtime.tensor(q), tvm.runtime.tensor(k)).numpy()
+    np.testing.assert_allclose(out, (q @ k.transpose(0, 1, 3, 2)).reshape(6, 16, 16), rtol=1e-5, atol=1e-5)
+
+
+def test_the_fp16_product_goes_to_the_tensor_cores_with_a_col_major_key():
+    target = tvm_ext.parse_target(CUDA_TARGET)
+    fused = tvm_ext.pipeline.fused_module(attention_scores((1, 8, 128, 64), "float16"), target)
+    func = next(f for gv, f in fused.functions_items() if "matmul_nt" in gv.name_hint)
+    assert matmul.tensor_core_matmul(func) is not None
+    source = cuda_source(tvm_ext.build(attention_scores((1, 8, 128, 64), "float16"), CUDA_TARGET))
+    assert "wmma::mma_sync" in source and "wmma::col_major" in source
+
+
+@pytest.mark.gpu
+def test_the_fp16_product_is_right_on_the_gpu(rng):
+    from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
+
+    q, k = rng.integers(-3, 4, (2, 1, 8, 128, 64)).astype("float16")
+    dev = tvm.cuda()
+    out = VirtualMachine(tvm_ext.build(attention_scores(q.shape, "float16"), "cuda"), dev)["main"](
+        tvm.runtime.tensor(q, dev), tvm.runtime.tensor(k, dev)).numpy()
+    want = q.astype("float32") @ k.astype("float32").transpose(0, 1, 3, 2)
+    np.testing.assert_array_equal(out, want.reshape(8, 128, 128))
