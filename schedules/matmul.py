@@ -137,10 +137,24 @@ def operand_itemsize(block) -> int:
     return tvm.DataType(str(multiply_accumulate(block.body)[0].source.dtype)).bits // 8
 
 
-def shared_bytes(knobs: dict, itemsize: int) -> int:
+def operand_tiles(knobs: dict, k_last: tuple = (True, False)) -> list[tuple[int, int]]:
+    """(rows, row length) of A's and B's shared-memory tiles: A is [bm, bk] and B [bk, bn], each
+    the other way round when its contiguous index is not the one `k_last` says (a [n, k] weight or
+    a transposed key: B's rows are bk long)."""
+    bm, bn, bk = (int(knobs[x]) for x in ("block_m", "block_n", "block_k"))
+    return [(outer, bk) if last else (bk, outer) for outer, last in zip((bm, bn), k_last)]
+
+
+def k_is_last(block) -> tuple[bool, bool]:
+    """Whether each operand of the matmul block is indexed by k in its last (contiguous) dimension."""
+    k = block.iter_vars[-1].var
+    return tuple(_axes_used(load.indices[-1], block) == {k} for load in multiply_accumulate(block.body))
+
+
+def shared_bytes(knobs: dict, itemsize: int, k_last: tuple = (True, False)) -> int:
     """Shared memory of a candidate's operand tiles: `stages` copies of A's and B's padded tiles."""
-    bm, bn, bk, pad = (int(knobs[x]) for x in ("block_m", "block_n", "block_k", "pad"))
-    return int(knobs["stages"]) * (bm * (bk + pad) + bk * (bn + pad)) * itemsize
+    pad = int(knobs["pad"])
+    return int(knobs["stages"]) * sum(rows * (length + pad) for rows, length in operand_tiles(knobs, k_last)) * itemsize
 
 
 def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule] | None:
@@ -189,7 +203,9 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
         return None  # symbolic dims: tiles cannot be checked to divide them
     m, n, k = (int(e) for e in extents[-3:])
     itemsize = operand_itemsize(sch.get(block))
-    if any((row + pad) * itemsize % 16 for row in (bk, bn)):
+    k_last = k_is_last(sch.get(block))
+    tiles = operand_tiles(knobs, k_last)
+    if any((length + pad) * itemsize % 16 for _, length in tiles):
         return None  # padded shared rows must stay 16-byte aligned (vector copies; WMMA loads need it)
     rows = [load.source.shape[-1] for load in multiply_accumulate(sch.get(block).body)]
     if any(int(row) % vec for row in rows) or int(sch.get(block).writes[0].source.shape[-1]) % tn:
@@ -200,7 +216,7 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     if bm % wm or bn != wn * WARP * tn or (bm * bk) % (vec * threads) \
             or (bk * bn) % (vec * threads) or stages < 1 or k // bk < stages:
         return None  # the warps must divide the block's tile, the copies the tiles
-    if shared_bytes(knobs, itemsize) > MAX_SHARED:
+    if shared_bytes(knobs, itemsize, k_last) > MAX_SHARED:
         return None  # the launch would fail ("Failed to set the allowed dynamic shared memory size")
     pads, copy_out = [], None
     if [m, n, k] != [int(e) for e in extents[-3:]]:  # zero-filled operands, the rows and columns past C's edge dropped
@@ -211,12 +227,12 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     staged = None
     if epilogue or copy_out:  # C -> shared staging -> the epilogue, computed as it is written out
         stage = bm * bn * tvm.DataType(str(sch.get(block).writes[0].source.dtype)).bits // 8
-        operands = shared_bytes(knobs, itemsize)
+        operands = shared_bytes(knobs, itemsize, k_last)
         # Static when the block's shared memory stays under 48 KB: beyond it TVM opts a kernel in to
         # more only for its dynamic part, and the launch fails. Dynamic, it must outsize each operand
         # tile: else TVM's StorageRewrite puts the fp32 stage in a dead fp16 tile, then fails
         # ("tvm_access_ptr element type must match the source buffer").
-        if stage + operands > STATIC_SHARED and stage <= stages * max(bm * (bk + pad), bk * (bn + pad)) * itemsize:
+        if stage + operands > STATIC_SHARED and stage <= stages * max(rows * (length + pad) for rows, length in tiles) * itemsize:
             return None
         scope = "shared" if stage + operands <= STATIC_SHARED else "shared.dyn"
         if copy_out:  # the padded C itself is the stage; its copy to C keeps the bounds check (T.where)
@@ -253,7 +269,7 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
         sch.bind(x, "threadIdx.x")
         sch.vectorize(lanes)
         if pad:  # rows `pad` elements apart from the next bank pattern: fewer shared-memory bank conflicts
-            sch.storage_align(shared, 0, axis=-2, factor=bk if index == 0 else bn, offset=pad)
+            sch.storage_align(shared, 0, axis=-2, factor=tiles[index][1], offset=pad)
         sch.compute_at(sch.cache_read(block, index, "local"), ki)
     for pad in pads:  # the zero fill computed in the shared-memory copies
         sch.compute_inline(pad)

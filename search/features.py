@@ -78,7 +78,7 @@ def matmul_features(block, knobs: dict, epilogue: bool, device: Device) -> np.nd
     bm, bn, bk, stages = (int(knobs[x]) for x in ("block_m", "block_n", "block_k", "stages"))
     outputs, threads = math.prod(batch) * m * n, bm // int(knobs["warp_m"]) * int(knobs["warp_n"]) * matmul.WARP
     blocks = outputs // (bm * bn)
-    smem = matmul.shared_bytes(knobs, item)
+    smem = matmul.shared_bytes(knobs, item, matmul.k_is_last(block))
     warp_tile = int(knobs["warp_m"]) * bn // int(knobs["warp_n"])
     registers = min(255, 40 + warp_tile // matmul.WARP)  # fp32 accumulators + ~40 (ptxas: 168 at 64 x 64)
     resident = device.resident_blocks(threads, registers, smem)

@@ -13,9 +13,9 @@ from tvm_ext.introspect import cuda_source
 from tvm_ext.transposed_operand import read_transposed_operand
 
 
-def attention_scores(shape, dtype, axes=(0, 1, 3, 2)):
+def attention_scores(shape, dtype, axes=(0, 1, 3, 2), cast=False):
     """matmul(q, permute_dims(k)) as TVM's PyTorch frontend writes it: the transposed key broadcast
-    to itself and reshaped to 3-D batches."""
+    to itself and reshaped to 3-D batches; with `cast`, the float32 product rounded back to `dtype`."""
     b, h, n, d = shape
     q, k = (relax.Var(name, relax.TensorType(list(shape), dtype)) for name in "qk")
 
@@ -23,7 +23,8 @@ def attention_scores(shape, dtype, axes=(0, 1, 3, 2)):
         kt = bb.emit(relax.op.permute_dims(k, list(axes)))
         kt = bb.emit(relax.op.broadcast_to(kt, kt.ty.shape))
         kt = bb.emit(relax.op.reshape(kt, [b * h, *[int(x) for x in kt.ty.shape.values[-2:]]]))
-        return relax.op.matmul(bb.emit(relax.op.reshape(q, [b * h, n, d])), kt, out_dtype="float32")
+        product = relax.op.matmul(bb.emit(relax.op.reshape(q, [b * h, n, d])), kt, out_dtype="float32")
+        return relax.op.astype(bb.emit(product), dtype) if cast else product
     return main_module(body, [q, k])
 
 
@@ -70,3 +71,20 @@ def test_the_fp16_product_is_right_on_the_gpu(rng):
         tvm.runtime.tensor(q, dev), tvm.runtime.tensor(k, dev)).numpy()
     want = q.astype("float32") @ k.astype("float32").transpose(0, 1, 3, 2)
     np.testing.assert_array_equal(out, want.reshape(8, 128, 128))
+
+
+def test_every_tiling_of_llamas_scores_with_their_cast_builds():
+    """The cast back to fp16 is computed from a shared stage. Its size check assumed B's tile is
+    [bk, bn]; the key's is [bn, bk], so a stage TVM then put in an fp16 tile passed the check and
+    failed the build ("tvm_access_ptr element type must match") for LLaMA on the H200."""
+    target = tvm_ext.parse_target(CUDA_TARGET)
+    mod = attention_scores((1, 32, 512, 128), "float16", cast=True)
+    func = next(f for gv, f in tvm_ext.pipeline.fused_module(mod, target).functions_items() if "matmul_nt" in gv.name_hint)
+    space = matmul.knob_space(func)
+    assert len(space) >= 5
+    from tvm_ext.tensorize import auto_tensorize  # noqa: PLC0415
+
+    for knobs in space:
+        scheduled = auto_tensorize(matmul.apply(func, knobs).mod["main"]).with_attr("global_symbol", "main")
+        with tvm.transform.PassContext(config={"tirx.use_async_copy": True}):
+            tvm.compile(tvm.IRModule({"main": scheduled}), target=target)
