@@ -240,7 +240,9 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
             staged = copy_out
         else:
             staged = sch.cache_write(block, 0, scope)
-        for consumer in epilogue:
+        for consumer in epilogue[:-1]:  # into the blocks reading them: a GELU reads its input twice, a
+            sch.compute_inline(consumer)  # DAG reverse_compute_inline cannot fold block by block
+        for consumer in epilogue[-1:]:
             sch.reverse_compute_inline(consumer)
     *batch, i, j, kk = sch.get_loops(block)
     bi, wy, ii = sch.split(i, [None, bm // wm, wm])

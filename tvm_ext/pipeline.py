@@ -1,7 +1,8 @@
 """The `tvm_ext` Relax pipeline: legalize, fuse, schedule fused reductions with our templates.
 
 Order: top-1 sorts as maxima -> half math around reductions in float32 -> library dispatch ->
-mean/variance pairing (Welford) -> matmuls by a transposed key read it untransposed -> LegalizeOps (with our legalizations) -> AnnotateTIROpPattern ->
+mean/variance pairing (Welford) -> matmuls by a transposed key read it untransposed, activations
+before reshapes -> LegalizeOps (with our legalizations) -> AnnotateTIROpPattern ->
 FoldConstant -> FuseOps -> ours (reduce_fusion.py) -> FuseTIR -> leave dataflow form -> our
 schedules for every fused PrimFunc with a reduction (several kernels and a run-time `if` where dims
 are symbolic; zero-filled state inputs for grid reductions) -> the matmul template for fp16/int8
@@ -34,7 +35,7 @@ from .legalize import legalizations
 from .narrowing import OURS, narrow_indices
 from .records import Database
 from .reduce_fusion import FuseReduceGroups, max_from_top_one
-from .transposed_operand import read_transposed_operand
+from .layout_rewrites import activation_before_reshape, read_transposed_operand
 from .variants import rewrite_call_sites
 
 PIPELINE = "tvm_ext"
@@ -126,12 +127,14 @@ def fused_passes(target, **options) -> list:
     """Everything up to the fused PrimFuncs the schedules see: top-1 sorts that are maxima made
     maxima (before the library dispatch turns them into sort kernels), half arithmetic around
     reductions done in float32 with PyTorch's rounding points (half_math.py), library dispatch, the
-    pairing of mean with variance (Welford), matmuls by a transposed operand reading it untransposed,
-    legalization, and fusion (FuseOps, then ours)."""
+    pairing of mean with variance (Welford), matmuls by a transposed operand reading it untransposed
+    and activations moved before reshapes (layout_rewrites.py), legalization, and fusion (FuseOps,
+    then ours)."""
     variance = options.get("variance", "welford")
     statistics = [welford.pair_mean_with_variance] if variance == "welford" else []
     return [max_from_top_one, half_math_in_float] + relax.pipeline.library_dispatch_passes(target) + statistics + [
         read_transposed_operand,
+        activation_before_reshape,
         relax.transform.LegalizeOps(customize_legalize_map=legalizations(variance)),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
