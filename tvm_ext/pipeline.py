@@ -8,7 +8,8 @@ schedules for every fused PrimFunc with a reduction (several kernels and a run-t
 are symbolic; zero-filled state inputs for grid reductions) -> the matmul template for fp16/int8
 matmuls and the conv2d template for convolutions, with their epilogues (GPU; tensor cores come from
 the AutoTensorize TIR pass) -> TVM's dlight
-rules for the rest (GPU)
+rules for the rest (GPU; elementwise functions read along their innermost axis get vector accesses,
+schedules/elementwise.py, before dlight's fallback)
 -> int32 indices where safe, int32/int64 twins where shapes are symbolic (narrowing.py) ->
 CallTIRRewrite -> VM finalisation. The TIR passes of `tvm_ext.passes` run later, inside
 `tvm.compile`, under the TIR pipeline of the same name.
@@ -27,6 +28,7 @@ from tvm.target import Target
 
 import schedules
 from schedules.analysis import is_reduce_subgraph
+from schedules.elementwise import Elementwise
 from schedules.grid_reduce import ZEROED_INPUTS
 
 from . import welford
@@ -158,7 +160,7 @@ def fused_reduce_functions(mod: tvm.IRModule, target, **options) -> dict:
 
 def _dlight_defaults():
     return dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
-                                   dl.gpu.Fallback())
+                                   Elementwise(), dl.gpu.Fallback())
 
 
 def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **options) -> tvm.transform.Pass:

@@ -1,0 +1,66 @@
+"""The vectorised elementwise rule: what it takes, the code it writes, and the GPU."""
+
+import shutil
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.support import nvcc
+
+import tvm_ext
+from bench.spelled import main_module
+from conftest import CUDA_TARGET
+from schedules import elementwise
+from tvm_ext.introspect import cuda_source
+
+op = relax.op
+
+
+def scale_shift_relu(shape=(8, 64, 28, 28), dtype="float32"):
+    """relu(x * scale[c] + shift[c]): inference batch norm, folded, with its ReLU."""
+    x = relax.Var("x", relax.TensorType(list(shape), dtype))
+    s, b = (relax.Var(n, relax.TensorType([1, shape[1], 1, 1], dtype)) for n in "sb")
+    return main_module(lambda bb, x, s, b: op.nn.relu(op.add(op.multiply(x, s), b)), [x, s, b])
+
+
+def swiglu(rows=64, cols=512):
+    """silu(gate) * up in fp16 computed in float32, as LLaMA's MLP spells it."""
+    g, u = (relax.Var(n, relax.TensorType([rows, cols], "float16")) for n in "gu")
+    return main_module(lambda bb, g, u: op.multiply(op.astype(op.nn.silu(op.astype(g, "float32")), "float16"), u), [g, u])
+
+
+def _only_func(mod):
+    mod = relax.transform.LegalizeOps()(mod)
+    mod = relax.transform.FuseTIR()(relax.transform.FuseOps()(relax.transform.AnnotateTIROpPattern()(mod)))
+    return next(f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
+
+
+def test_broadcast_inputs_and_casts_are_taken_a_transpose_is_not():
+    assert elementwise.apply(_only_func(scale_shift_relu())) is not None
+    assert elementwise.apply(_only_func(swiglu())) is not None
+    x = relax.Var("x", relax.TensorType([64, 128], "float32"))
+    assert elementwise.apply(_only_func(main_module(lambda bb, x: op.permute_dims(x, [1, 0]), [x]))) is None
+    y = relax.Var("y", relax.TensorType([64, 30], "float32"))  # 30 columns: no whole 4-lane vectors
+    assert elementwise.apply(_only_func(main_module(lambda bb, y: op.nn.relu(y), [y]))) is None
+
+
+@pytest.mark.parametrize("mod, vector", [(scale_shift_relu(), "float4"), (swiglu(), "half4")], ids=["bn-relu", "swiglu"])
+def test_the_pipeline_writes_vector_loads_and_stores(mod, vector):
+    source = cuda_source(tvm_ext.build(mod, CUDA_TARGET))
+    assert f"__launch_bounds__({elementwise.THREADS})" in source and f"*({vector}*)" in source
+    if shutil.which("nvcc"):
+        with tvm_ext.parse_target(CUDA_TARGET):
+            assert bytes(nvcc.compile_cuda(source, target_format="cubin", compiler="nvcc")[:4]) == b"\x7fELF"
+
+
+@pytest.mark.gpu
+def test_vectorised_elementwise_is_right_on_the_gpu(rng):
+    from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
+
+    x = rng.standard_normal((8, 64, 28, 28)).astype("float32")
+    s, b = (rng.standard_normal((1, 64, 1, 1)).astype("float32") for _ in range(2))
+    dev = tvm.cuda()
+    out = VirtualMachine(tvm_ext.build(scale_shift_relu(), "cuda"), dev)["main"](
+        *[tvm.runtime.tensor(a, dev) for a in (x, s, b)]).numpy()
+    np.testing.assert_allclose(out, np.maximum(x * s + b, 0), rtol=1e-6, atol=1e-6)
