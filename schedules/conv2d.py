@@ -81,28 +81,43 @@ def _operands(block) -> tuple | None:
     return tuple(loads)
 
 
+def block_tile(knobs: dict) -> list[int]:
+    """Output channels, rows and columns one block computes."""
+    return [int(knobs["v" + a]) * int(knobs["t" + a]) * int(knobs[a + "i"]) for a in AXES]
+
+
+def shared_bytes(knobs: dict, r: int, q: int, itemsize: int) -> int:
+    """Shared memory of one step: the block's input window (halo included) and its weights."""
+    f, y, x = block_tile(knobs)
+    rc = int(knobs["rc"])
+    return (rc * (y + r - 1) * (x + q - 1) + f * rc * r * q) * itemsize
+
+
 def tiling_grid(func: tirx.PrimFunc) -> list[dict]:
     """Tilings that fit `func`: 64-512 threads, 8-64 outputs per thread, shared memory under 48 KB."""
     found = convolution(func)
-    if found is None:
+    extents = None if found is None else _static_extents(found[0].get(found[2]))
+    if extents is None:
         return []
-    sch, _, conv, _ = found
-    extents = [iv.dom.extent for iv in sch.get(conv).iter_vars]
-    if any(not isinstance(e, tirx.IntImm) for e in extents):
-        return []
-    _, f, y, x, c, r, q = (int(e) for e in extents)
-    itemsize = tvm.DataType(str(sch.get(conv).writes[0].source.dtype)).bits // 8
+    _, f, y, x, c, r, q = extents
+    itemsize = tvm.DataType(str(found[0].get(found[2]).writes[0].source.dtype)).bits // 8
     grid = []
     for tiling in itertools.product((1, 2), (4, 8, 16), (1, 2, 4), (1, 2), (1, 2, 4, 8), (1, 2, 4),
                                     (1, 2), (2, 4, 7, 8, 14), (1, 2, 4), (4, 8, 16)):
+        knobs = tiling_knobs(*tiling)
         vf, tf, fi, vy, ty, yi, vx, tx, xi, rc = tiling
-        tiles = (vf * tf * fi, vy * ty * yi, vx * tx * xi)
-        window = rc * (tiles[1] + r - 1) * (tiles[2] + q - 1) + tiles[0] * rc * r * q
+        tiles = block_tile(knobs)
         if f % tiles[0] or y % tiles[1] or x % tiles[2] or c % rc or not 64 <= tf * ty * tx <= 512 \
-                or not 8 <= vf * fi * vy * yi * vx * xi <= 64 or window * itemsize > 48 * 1024:
+                or not 8 <= vf * fi * vy * yi * vx * xi <= 64 or shared_bytes(knobs, r, q, itemsize) > 48 * 1024:
             continue
-        grid.append(tiling_knobs(*tiling))
+        grid.append(knobs)
     return grid
+
+
+def _static_extents(block) -> list[int] | None:
+    """The convolution block's (n, f, y, x, c, r, q) extents, or None when any is symbolic."""
+    extents = [iv.dom.extent for iv in block.iter_vars]
+    return [int(e) for e in extents] if all(isinstance(e, tirx.IntImm) for e in extents) else None
 
 
 def heuristic(func: tirx.PrimFunc) -> tuple[dict, s_tir.Schedule] | None:
@@ -119,13 +134,13 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     if found is None:
         return None
     sch, pads, conv, epilogue = found
-    extents = [iv.dom.extent for iv in sch.get(conv).iter_vars]
-    if any(not isinstance(e, tirx.IntImm) for e in extents):
+    extents = _static_extents(sch.get(conv))
+    if extents is None:
         return None
-    _, f, y, x, c, _, _ = (int(e) for e in extents)
+    _, f, y, x, c, _, _ = extents
     parts = {axis: [int(knobs[p + axis]) for p in ("v", "t")] + [int(knobs[axis + "i"])] for axis in AXES}
     rc = int(knobs["rc"])
-    if any(size % (v * t * i) for size, (v, t, i) in zip((f, y, x), parts.values())) or c % rc:
+    if any(size % tile for size, tile in zip((f, y, x), block_tile(knobs))) or c % rc:
         return None
     threads = [parts[a][1] for a in AXES]
     if threads[0] * threads[1] * threads[2] > 1024:

@@ -98,7 +98,7 @@ def _heuristic(func: tirx.PrimFunc, target: Target) -> tuple | None:
 
 def heuristic_knobs(func: tirx.PrimFunc, target: Target) -> dict | None:
     """The knobs the heuristic picks for `func` (a fused reduction, or on a GPU a tensor-core
-    matmul), or None if no strategy fits it."""
+    matmul or a convolution), or None if no strategy fits it."""
     found = _heuristic(func, target)
     return found[0] if found else None
 

@@ -1,4 +1,4 @@
-"""GPU strategy for elementwise functions: `vec` adjacent outputs per thread, loaded and stored as vectors.
+"""GPU strategy for elementwise functions: `LANES` adjacent outputs per thread, loaded and stored as vectors.
 
 dlight's fallback gives each thread one element, so each 2- or 4-byte load and store is its own
 instruction: the normalisation after ResNet's batch statistics (read x, write y, 205 MB) ran at

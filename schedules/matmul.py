@@ -160,8 +160,9 @@ def shared_bytes(knobs: dict, itemsize: int, k_last: tuple = (True, False)) -> i
 def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule] | None:
     """(knobs, Schedule) of the first tiling in TILINGS order that fits `func` with about one full
     wave of blocks (90% of the SMs or more); failing that, of the fitting tiling with the most
-    blocks; tilings whose tiles divide C before those that pad it; None when the template does not fit at all (operands the tensor cores cannot take,
-    symbolic sizes, rows that are not a whole number of copy vectors)."""
+    blocks; tilings whose tiles divide C before those that pad it; None when the template does not
+    fit at all (operands the tensor cores cannot take, symbolic sizes, rows that are not a whole
+    number of copy vectors)."""
     block = tensor_core_matmul(func)
     if block is None:
         return None
@@ -207,8 +208,8 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     tiles = operand_tiles(knobs, k_last)
     if any((length + pad) * itemsize % 16 for _, length in tiles):
         return None  # padded shared rows must stay 16-byte aligned (vector copies; WMMA loads need it)
-    rows = [load.source.shape[-1] for load in multiply_accumulate(sch.get(block).body)]
-    if any(int(row) % vec for row in rows) or int(sch.get(block).writes[0].source.shape[-1]) % tn:
+    row_lengths = [load.source.shape[-1] for load in multiply_accumulate(sch.get(block).body)]
+    if any(int(length) % vec for length in row_lengths) or int(sch.get(block).writes[0].source.shape[-1]) % tn:
         return None  # each vector copy (of A, of B, of C's columns) must start 16-byte aligned
     warps = bm // wm * wn
     threads = warps * WARP

@@ -180,8 +180,8 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
         # softmax on the H200: 23 -> 20 us at 512 columns, one chunk per lane; 419 -> 517 us at 2048,
         # four chunks). Bool aside: TVM 0.27 has no CUDA type for a register vector of bools.
         one_chunk = width == threads * reduce_vec
-        read_from_memory = [buf for buf in pattern.input_buffers() if one_chunk and str(buf.dtype) != "bool"
-                            and not any(buf.same_as(s) for s in staged_buffers)]
+        read_from_memory = [buf for buf in pattern.input_buffers() if str(buf.dtype) != "bool"
+                            and not any(buf.same_as(s) for s in staged_buffers)] if one_chunk else []
         for reduction, outer in reductions:
             _wide_reads(sch, reduction, outer, staged_buffers + read_from_memory)
     return sch

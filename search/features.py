@@ -100,10 +100,10 @@ def conv2d_features(block, knobs: dict, epilogue: bool, device: Device) -> np.nd
     n, f, y, x, c, r, s = (int(iv.dom.extent) for iv in block.iter_vars)
     item = tvm.DataType(str(block.writes[0].source.dtype)).bits // 8
     k = {name: int(value) for name, value in knobs.items() if name != "strategy"}
-    tile = [k["v" + a] * k["t" + a] * k[a + "i"] for a in conv2d.AXES]
+    tile = conv2d.block_tile(knobs)
     threads, per_thread = k["tf"] * k["ty"] * k["tx"], math.prod(tile) // (k["tf"] * k["ty"] * k["tx"])
     blocks = n * f * y * x // math.prod(tile)
-    smem = (k["rc"] * (tile[1] + r - 1) * (tile[2] + s - 1) + tile[0] * k["rc"] * r * s) * item
+    smem = conv2d.shared_bytes(knobs, r, s, item)
     resident = device.resident_blocks(threads, min(255, 32 + per_thread), smem)
     slots = max(1, device.sm_count * resident)
     waves = blocks / slots
