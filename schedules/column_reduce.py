@@ -8,17 +8,24 @@ from __future__ import annotations
 
 from tvm import s_tir
 
-from .analysis import COLUMN, ReducePattern
+from .analysis import COLUMN, ReducePattern, const_int
 from .device import Device
 
 NAME = "column_reduce"
+FEW_ROWS = 16
 
 
 def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
     if not device.is_gpu or pattern.layout != COLUMN:
         return None
     # 16 columns x 64 lanes: 64-byte row segments and enough blocks (sum over 131072x1024 f32 on
-    # the H200: 3404 GB/s, against 2658 at 32 x 32; bench/results sweep log)
+    # the H200: 3404 GB/s, against 2658 at 32 x 32; bench/results sweep log). A few rows (the 2-16
+    # partial products of a split K) are summed by each thread alone, 256 columns per block: no
+    # cross-thread step, and few blocks (lanes beyond the rows would idle; 64 of them gave 4 us
+    # for the 4 x 65536 sum of a split 16 x 4096 x 4096 matmul on the H200).
+    rows = const_int(pattern.reduce_extent)
+    if rows is not None and rows <= FEW_ROWS:
+        return {"strategy": NAME, "cols": 256, "lanes": 1}
     return {"strategy": NAME, "cols": 16, "lanes": 64}
 
 
@@ -26,8 +33,10 @@ def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
     """Every valid point: 4..32 adjacent columns per block, 16..256 lanes over the rows."""
     if not device.is_gpu or pattern.layout != COLUMN:
         return []
-    return [{"strategy": NAME, "cols": cols, "lanes": lanes}
+    grid = [{"strategy": NAME, "cols": cols, "lanes": lanes}
             for cols in (4, 8, 16, 32) for lanes in (16, 32, 64, 128, 256) if cols * lanes <= device.max_threads]
+    default = default_knobs(pattern, device)
+    return grid if default in grid else [default, *grid]
 
 
 def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule | None:
@@ -52,8 +61,8 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
 
     spread_rows(last.block_rv, loops[ns:] if len(loops) > ns else [sch.add_unit_loop(last.block_rv)])
     for info in reversed(pattern.blocks[:-1]):
-        for i, _ in enumerate(sch.get(info.block_rv).writes):
-            sch.set_scope(info.block_rv, i, "shared")
+        for i, _ in enumerate(sch.get(info.block_rv).writes):  # per thread: a shared buffer's region
+            sch.set_scope(info.block_rv, i, "local")  # spans the block's columns, and its lanes summed them too
         sch.compute_at(info.block_rv, col, preserve_unit_loops=True)
         spread_rows(info.block_rv, sch.get_loops(info.block_rv)[2:])
     return sch

@@ -61,8 +61,9 @@ def contraction(func: tirx.PrimFunc):
     if len(kinds) < 3 or kinds[-1] != tirx.IterVar.CommReduce or any(k != tirx.IterVar.DataPar for k in kinds[:-1]):
         return None
     loads = multiply_accumulate(block.body)
-    if not loads or any(len(_axes_used(index, block)) > 1 for load in loads for index in load.indices):
-        return None  # an operand index mixing axes (a[i, p * K/S + k] of a split K): not a tile of one matmul
+    if not loads or any(len(_axes_used(index, block) - set(_batch_axes(block))) > 1
+                        for load in loads for index in load.indices):
+        return None  # an index mixing rows, columns or k (a sliding window): not a tile of one matmul
     extents = [iv.dom.extent for iv in block.iter_vars[:-1]]
     for rv in blocks[1:]:
         ivs = sch.get(rv).iter_vars
@@ -72,12 +73,33 @@ def contraction(func: tirx.PrimFunc):
     return sch, blocks[0], blocks[1:]
 
 
+def _batch_axes(block) -> list:
+    """The iterators before the block's row, column and k: a batch, or the parts of a split K
+    (`a[i, p * K/S + k]`, tvm_ext/split_k.py), which may join k in an operand's index."""
+    return [iv.var for iv in block.iter_vars[:-3]]
+
+
 def _axes_used(index, block) -> set:
     """The block's iterators that `index` reads."""
     axes = {iv.var for iv in block.iter_vars}
     used = []
     tvm_ffi.structural_walk(index, (tirx.Var, lambda v: used.append(v) if v in axes else None), order="pre")
     return set(used)
+
+
+def _part_strides(block) -> list | None:
+    """How far each batch axis moves an operand's k index: [] for a plain (batched) matmul, the
+    K/S of a split K's parts (`a[i, p * K/S + k]`), None when not a constant."""
+    k, batch = block.iter_vars[-1].var, _batch_axes(block)
+    strides = []
+    for load in multiply_accumulate(block.body):
+        for index in load.indices:
+            if k in _axes_used(index, block):
+                coeffs = tvm.sym.detect_linear_equation(index, batch)
+                if len(coeffs) != len(batch) + 1 or any(not isinstance(c, tirx.IntImm) for c in coeffs[:-1]):
+                    return None
+                strides += [int(c) for c in coeffs[:-1] if int(c)]
+    return strides
 
 
 def _has_root(sch) -> bool:
@@ -147,8 +169,8 @@ def operand_tiles(knobs: dict, k_last: tuple = (True, False)) -> list[tuple[int,
 
 def k_is_last(block) -> tuple[bool, bool]:
     """Whether each operand of the matmul block is indexed by k in its last (contiguous) dimension."""
-    k = block.iter_vars[-1].var
-    return tuple(_axes_used(load.indices[-1], block) == {k} for load in multiply_accumulate(block.body))
+    k, batch = block.iter_vars[-1].var, set(_batch_axes(block))
+    return tuple(_axes_used(load.indices[-1], block) - batch == {k} for load in multiply_accumulate(block.body))
 
 
 def shared_bytes(knobs: dict, itemsize: int, k_last: tuple = (True, False)) -> int:
@@ -211,6 +233,9 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     row_lengths = [load.source.shape[-1] for load in multiply_accumulate(sch.get(block).body)]
     if any(int(length) % vec for length in row_lengths) or int(sch.get(block).writes[0].source.shape[-1]) % tn:
         return None  # each vector copy (of A, of B, of C's columns) must start 16-byte aligned
+    strides = _part_strides(sch.get(block))
+    if strides is None or any(stride % bk for stride in strides):
+        return None  # a part of a split K must start at a whole tile of k (aligned copies)
     warps = bm // wm * wn
     threads = warps * WARP
     m, n, k = (-(-size // tile) * tile for size, tile in ((m, bm), (n, bn), (k, bk)))  # padded up to whole tiles
@@ -221,8 +246,8 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
         return None  # the launch would fail ("Failed to set the allowed dynamic shared memory size")
     pads, copy_out = [], None
     if [m, n, k] != [int(e) for e in extents[-3:]]:  # zero-filled operands, the rows and columns past C's edge dropped
-        if itemsize == 1:  # TVM 0.27 prints an int8x8 zero fill as make_int2 of 8 chars: nvcc rejects it
-            return None
+        if itemsize == 1 or strides:  # TVM 0.27 prints an int8x8 zero fill as make_int2 of 8 chars (nvcc
+            return None  # rejects it); pad_einsum takes no split K's index
         sch.pad_einsum(block, [1] * (len(extents) - 3) + [bm, bn, bk])
         pads, (copy_out,) = sch.get_producers(block), sch.get_consumers(block)
     staged = None

@@ -172,3 +172,45 @@ def test_reductions_over_rows_left_in_memory_read_their_chunks_as_vectors():
     loads = re.findall(r"\*\(uint4\*\)\(\w+_local_ptr(?:_\d+)? \+ \d+\) = \*\(uint4\*\)\(\w+_ptr", src)
     assert len(loads) >= 4  # two 16-byte loads per chunk of 16 halves, in the max and the sum pass
     assert not re.search(r"max\([^;]*\bp0_ptr\[", src), "the max must read registers, not memory"
+
+
+def _column_sum_then_bias(rows: int, knobs: dict):
+    """`sum(x[rows, 16, 512], axis=0) + bias` scheduled by column_reduce with `knobs`, built."""
+    from tvm import relax  # noqa: PLC0415
+
+    from bench.spelled import main_module  # noqa: PLC0415
+    from schedules import dispatch  # noqa: PLC0415
+
+    x, bias = relax.Var("x", relax.TensorType([rows, 16, 512], "float32")), relax.Var("bias", relax.TensorType([512], "float32"))
+    mod = main_module(lambda bb, x, bias: relax.op.add(relax.op.sum(x, axis=[0]), bias), [x, bias])
+    target = tvm_ext.parse_target(CUDA_TARGET)
+    fused = tvm_ext.pipeline.fused_module(mod, target)
+    func = next(f for gv, f in fused.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
+    sch = dispatch.schedule(func, target, knobs)
+    return tvm.compile(tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")}), target=target)
+
+
+COLUMN_KNOBS = [{"strategy": "column_reduce", "cols": 16, "lanes": 64}, {"strategy": "column_reduce", "cols": 256, "lanes": 1}]
+
+
+@pytest.mark.parametrize("knobs", COLUMN_KNOBS, ids=["lanes", "serial"])
+def test_a_column_sum_with_an_epilogue_reads_each_threads_own_column(knobs):
+    """With the sum kept in shared memory, its region spanned the block's 16 columns: the lanes of
+    threadIdx.y summed over columns as well as rows and every column wrote one slot, so the split-K
+    sum of a 16-row matmul came out wrong on the H200. Each thread now keeps its column's sum."""
+    src = _column_sum_then_bias(8, knobs).mod.imports[0].inspect_source()
+    loads = re.findall(r"x_ptr\[([^\]]*)\]", src)
+    assert loads and all("threadIdx.x" in index for index in loads)
+    assert "threadIdx.x) >> " not in src.split("x_ptr[")[1].split("]")[0]  # no lane's column from threadIdx.y
+    assert ("red_buf" in src) == (knobs["lanes"] > 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", COLUMN_KNOBS, ids=["lanes", "serial"])
+def test_a_column_sum_with_an_epilogue_is_right_on_the_gpu(knobs, rng):
+    import numpy as np  # noqa: PLC0415
+
+    x, bias = rng.standard_normal((8, 16, 512)).astype("float32"), rng.standard_normal(512).astype("float32")
+    args = [tvm.runtime.tensor(v, tvm.cuda()) for v in (x, bias)] + [tvm.runtime.empty((16, 512), "float32", tvm.cuda())]
+    _column_sum_then_bias(8, knobs)["main"](*args)
+    np.testing.assert_allclose(args[2].numpy(), x.astype("float64").sum(0) + bias, rtol=1e-5, atol=1e-5)

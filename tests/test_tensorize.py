@@ -255,8 +255,9 @@ def test_the_pipeline_gives_fp16_matmuls_to_the_template_and_bf16_ones_to_dlight
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mod, shapes", [(linear_bias(512, 1024, 256), [[512, 256], [256, 1024], [1024]]),
-                                         (batched(12, 128, 128, 256), [[12, 128, 256], [12, 256, 128]])],
-                         ids=["epilogue", "batch"])
+                                         (batched(12, 128, 128, 256), [[12, 128, 256], [12, 256, 128]]),
+                                         (linear_bias(16, 512, 2048), [[16, 2048], [2048, 512], [512]])],
+                         ids=["epilogue", "batch", "split-k"])
 def test_pipeline_matmuls_are_right_on_the_gpu(mod, shapes, rng):
     arrays = [rng.integers(-3, 4, s).astype("float16") for s in shapes]
     dev = tvm.cuda()
@@ -268,17 +269,51 @@ def test_pipeline_matmuls_are_right_on_the_gpu(mod, shapes, rng):
     np.testing.assert_array_equal(out.numpy().astype("float32"), want.astype("float16").astype("float32"))
 
 
-def test_an_operand_index_that_mixes_axes_is_not_taken_by_the_template():
-    """A split-K partial product reads a[i, p * 512 + k]: the batch axis p inside the K index. Once
-    taken by the template and the pass, it gave wrong results on the H200; it is left to TVM now."""
-    a, b = te.placeholder((16, 2048), "float16", name="a"), te.placeholder((2048, 512), "float16", name="b")
-    r = te.reduce_axis((0, 512), name="k")
-    parts = te.compute((4, 16, 512), lambda p, i, j: te.sum(
-        a[i, p * 512 + r].astype("float32") * b[p * 512 + r, j].astype("float32"), axis=r), name="matmul")
-    func = te.create_prim_func([a, b, parts])
-    assert matmul.contraction(func) is None and matmul.knob_space(func) == []
-    assert matmul.contraction(te.create_prim_func([a, b, te.compute((16, 512), lambda i, j: te.sum(
-        a[i, r].astype("float32") * b[r, j].astype("float32"), axis=r), name="mm")])) is not None
+def _split_k_func(parts: int, part: int, index=lambda p, part, r: p * part + r):
+    """Partial products of a 16 x 512 x (parts * part) matmul, `a` read at index(p, part, k)."""
+    a = te.placeholder((16, parts * part), "float16", name="a")
+    b = te.placeholder((parts * part, 512), "float16", name="b")
+    r = te.reduce_axis((0, part), name="k")
+    return te.create_prim_func([a, b, te.compute((parts, 16, 512), lambda p, i, j: te.sum(
+        a[i, index(p, part, r)].astype("float32") * b[p * part + r, j].astype("float32"), axis=r), name="matmul")])
+
+
+def test_split_k_partial_products_are_a_tensor_core_batch_reading_the_operands_in_place():
+    """Part p reads a[i, p * K/S + k]: the template takes it with the parts on blockIdx.z; tilings
+    whose k tile does not divide a part, and indices that mix rows or columns into k, are refused."""
+    from tvm_ext.tensorize import auto_tensorize  # noqa: PLC0415
+
+    func = _split_k_func(4, 512)
+    knobs = matmul.tiling_knobs(16, 16, 2, 2, 64, 4)
+    with tvm.transform.PassContext(config={"tirx.use_async_copy": True}):
+        lib = tvm.compile(tvm.IRModule({"main": auto_tensorize(matmul.apply(func, knobs).mod["main"])
+                                        .with_attr("global_symbol", "main")}), target=tvm_ext.parse_target(CUDA_TARGET))
+    src = lib.mod.imports[0].inspect_source()
+    assert "wmma::mma_sync" in src and "(((int)blockIdx.z) * 512)" in src  # a's part: 512 columns on
+    assert "(((int)blockIdx.z) * 262144)" in src  # b's part: 512 rows of 512
+    assert matmul.apply(_split_k_func(4, 96), knobs) is None  # parts of 96: no whole 64-long k tiles
+    assert matmul.apply(_split_k_func(4, 96), matmul.tiling_knobs(16, 16, 2, 2, 32, 3)) is not None
+    assert matmul.contraction(_split_k_func(4, 512, lambda p, part, r: p + r)) is not None  # only p joins k
+    a, b = te.placeholder((16, 528), "float16", name="a"), te.placeholder((16, 512), "float16", name="b")
+    r = te.reduce_axis((0, 16), name="k")
+    window = te.compute((16, 512), lambda i, j: te.sum(a[i, i + r].astype("float32") * b[r, j].astype("float32"), axis=r))
+    assert matmul.contraction(te.create_prim_func([a, b, window])) is None  # row axis inside k's index
+
+
+def test_a_few_row_matmul_is_split_along_k_into_a_tensor_core_batch_and_a_serial_column_sum():
+    from tvm_ext.split_k import parts  # noqa: PLC0415
+
+    # 16 x 64 one-warp tiles for 132 SMs: parts until 1.5 blocks per SM, each at least 512 of K
+    assert [parts(16, 4096, 4096, 132), parts(16, 11008, 4096, 132), parts(16, 512, 2048, 132)] == [4, 2, 4]
+    assert [parts(64, 4096, 4096, 132), parts(16, 4096, 512, 132), parts(1, 4096, 4096, 132)] == [1, 1, 1]
+    executable = tvm_ext.build(linear_bias(16, 512, 2048), CUDA_TARGET)
+    assert tvm_ext.cuda_kernels(executable) == ["fused_split_k_sum_cast_add_kernel", "matmul_split_k_kernel"]
+    source = tvm_ext.cuda_source(executable)
+    assert "wmma::mma_sync" in source and "blockIdx.z" in source
+    total = source[source.index("fused_split_k_sum_cast_add_kernel(half"):]
+    total = total[:total.index("\n}\n")]
+    assert "red_buf" not in total and "for (int" in total  # each thread adds its column's 4 parts alone
+    assert tvm_ext.cuda_kernels(tvm_ext.build(linear_bias(256, 512, 2048), CUDA_TARGET)) == ["fused_matmul_cast_add_kernel"]
 
 
 def _pipeline_annotations(func) -> dict:

@@ -2,7 +2,8 @@
 
 Order: top-1 sorts as maxima -> half math around reductions in float32 -> library dispatch ->
 mean/variance pairing (Welford) -> matmuls by a transposed key read it untransposed, activations
-before reshapes -> LegalizeOps (with our legalizations) -> AnnotateTIROpPattern ->
+before reshapes -> LegalizeOps (with our legalizations; on GPUs, split-K for matmuls with few
+rows) -> AnnotateTIROpPattern ->
 FoldConstant -> FuseOps -> ours (reduce_fusion.py) -> FuseTIR -> leave dataflow form -> our
 schedules for every fused PrimFunc with a reduction (several kernels and a run-time `if` where dims
 are symbolic; zero-filled state inputs for grid reductions) -> the matmul template for fp16/int8
@@ -28,6 +29,7 @@ from tvm.target import Target
 
 import schedules
 from schedules.analysis import is_reduce_subgraph
+from schedules.device import device_of
 from schedules.elementwise import Elementwise
 from schedules.grid_reduce import ZEROED_INPUTS
 
@@ -37,6 +39,7 @@ from .legalize import legalizations
 from .narrowing import OURS, narrow_indices
 from .records import Database
 from .reduce_fusion import FuseReduceGroups, max_from_top_one
+from .split_k import legalization as split_k_legalization
 from .layout_rewrites import activation_before_reshape, read_transposed_operand
 from .variants import rewrite_call_sites
 
@@ -130,14 +133,16 @@ def fused_passes(target, **options) -> list:
     maxima (before the library dispatch turns them into sort kernels), half arithmetic around
     reductions done in float32 with PyTorch's rounding points (half_math.py), library dispatch, the
     pairing of mean with variance (Welford), matmuls by a transposed operand reading it untransposed
-    and activations moved before reshapes (layout_rewrites.py), legalization, and fusion (FuseOps,
-    then ours)."""
+    and activations moved before reshapes (layout_rewrites.py), legalization (split-K for few-row
+    matmuls on GPUs, split_k.py), and fusion (FuseOps, then ours)."""
     variance = options.get("variance", "welford")
     statistics = [welford.pair_mean_with_variance] if variance == "welford" else []
+    device = device_of(target)
+    split_k = {"relax.matmul": split_k_legalization(device.sm_count)} if device.is_gpu else {}
     return [max_from_top_one, half_math_in_float] + relax.pipeline.library_dispatch_passes(target) + statistics + [
         read_transposed_operand,
         activation_before_reshape,
-        relax.transform.LegalizeOps(customize_legalize_map=legalizations(variance)),
+        relax.transform.LegalizeOps(customize_legalize_map={**legalizations(variance), **split_k}),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),

@@ -1,0 +1,75 @@
+"""Split-K for matmuls with few rows (MAX_ROWS): a GPU legalization of relax.matmul.
+
+At 16 x 4096 x 4096 (one decoding step of a 4096-wide layer) the matmul template's smallest tile,
+16 x 64 for one warp, gives 64 blocks to the H200's 132 SMs: half the GPU streams the whole
+weight, one warp per SM. Cut K into S parts instead: `parts[p, i, j] = sum over k < K/S of
+a[i, p*K/S + k] * b[p*K/S + k, j]` is a batched matmul for the template (the parts on
+blockIdx.z, the operands read in place), and `sum(parts, axis=0)` one of our column reductions
+(the epilogue, a cast or a bias, fused into it by the pipeline). S is the smallest power of two
+that gives each SM WAVES blocks; each part keeps at least MIN_K_PER_PART of K so that its
+pipelined copies still stream. Every other matmul keeps TVM's legalization.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, te, topi
+
+from schedules import matmul
+
+SMALLEST_TILE = (16, 64)  # rows x columns of the matmul template's one-warp tile
+# blocks per SM the split aims for: at 16 x 4096 x 4096 on the H200 4 parts (256 one-warp tiles)
+# and 8 ran their partial products equally fast (17.3-17.7 us); 4 leave half the partial sums to add
+WAVES = 1.5
+MIN_K_PER_PART = 512
+MAX_ROWS = 64  # a decoding step's or a small batch's rows
+MAX_PARTS = 16
+DTYPES = {"float16": "float32", "int8": "int32"}  # operand -> accumulator the template takes
+
+
+def parts(m: int, n: int, k: int, sm_count: int) -> int:
+    """How many parts to cut K into (1: leave the matmul whole)."""
+    if m > MAX_ROWS or m % SMALLEST_TILE[0] or n % SMALLEST_TILE[1]:
+        return 1  # more rows take larger tiles; the template pads no split K's parts
+    tiles = m // SMALLEST_TILE[0] * (n // SMALLEST_TILE[1])
+    s = 1
+    while s < MAX_PARTS and tiles * s < WAVES * sm_count and k % (2 * s) == 0 and k // (2 * s) >= MIN_K_PER_PART \
+            and (k // (2 * s)) % SMALLEST_TILE[1] == 0:
+        s *= 2
+    return s
+
+
+def _static_shape(expr) -> list | None:
+    shape = expr.ty.shape if isinstance(expr.ty, relax.TensorType) else None
+    if shape is None or any(not isinstance(d, tvm.tirx.IntImm) for d in shape.values):
+        return None
+    return [int(d) for d in shape.values]
+
+
+def partial_products(a: te.Tensor, b: te.Tensor, count: int, out_dtype: str) -> te.Tensor:
+    """parts[p, i, j] = sum over the p-th K/count of k of a[i, k] * b[k, j], in `out_dtype`."""
+    part = a.shape[1] // count
+    k = te.reduce_axis((0, part), name="k")
+    return te.compute((count, a.shape[0], b.shape[1]), lambda p, i, j: te.sum(
+        a[i, p * part + k].astype(out_dtype) * b[p * part + k, j].astype(out_dtype), axis=k), name="matmul")
+
+
+def legalization(sm_count: int):
+    """relax.matmul's legalization for a GPU of `sm_count` SMs: split K where it has few rows."""
+
+    def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+        a, b = call.args
+        sa, sb, out = _static_shape(a), _static_shape(b), str(call.attrs.out_dtype)
+        count = 1
+        if sa and sb and len(sa) == len(sb) == 2 and DTYPES.get(str(a.ty.dtype)) == out and b.ty.dtype == a.ty.dtype:
+            count = parts(sa[0], sb[1], sa[1], sm_count)
+        if count > 1:  # only what the matmul template then takes (else TVM's default schedules it)
+            ops = [te.placeholder(shape, str(x.ty.dtype)) for shape, x in ((sa, a), (sb, b))]
+            if matmul.heuristic(te.create_prim_func([*ops, partial_products(*ops, count, out)]), sm_count) is None:
+                count = 1
+        if count == 1:
+            return tvm.ir.Op.get("relax.matmul").get_attr("FLegalize")(bb, call)
+        products = bb.emit_te(partial_products, a, b, count, out, primfunc_name_hint="matmul_split_k")
+        return bb.call_te(lambda x: topi.sum(x, axis=0), products, primfunc_name_hint="split_k_sum")
+
+    return legalize
