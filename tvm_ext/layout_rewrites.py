@@ -36,7 +36,8 @@ def _op_name(expr) -> str | None:
     return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) else None
 
 
-def _shape(expr) -> list | None:
+def shape_of(expr) -> list | None:
+    """A tensor's dims, ints where static, None when its rank is unknown."""
     shape = expr.ty.shape
     return None if shape is None else [int(d) if isinstance(d, tvm.tirx.IntImm) else d for d in shape.values]
 
@@ -45,13 +46,13 @@ def _shape(expr) -> list | None:
 class _ReadTransposedOperand(PyExprMutator):
     def visit_call_(self, call):
         call = self.visit_expr_post_order(call)
-        if _op_name(call) != "relax.matmul" or len(_shape(call.args[0]) or []) < 3:
+        if _op_name(call) != "relax.matmul" or len(shape_of(call.args[0]) or []) < 3:
             return call
         source = self._untransposed(call.args[1])
         if source is None:
             return call
-        want = _shape(call.args[1])  # [batch, k, n]: the untransposed source holds it as [batch, n, k]
-        if _shape(call.args[0])[:-2] != want[:-2]:
+        want = shape_of(call.args[1])  # [batch, k, n]: the untransposed source holds it as [batch, n, k]
+        if shape_of(call.args[0])[:-2] != want[:-2]:
             return call
         stored = self.builder_.emit(relax.op.reshape(source, [*want[:-2], want[-1], want[-2]]))
         return self.builder_.call_te(matmul_nt_te, call.args[0], stored, str(call.attrs.out_dtype or call.ty.dtype),
@@ -64,13 +65,13 @@ class _ReadTransposedOperand(PyExprMutator):
             bound = self.lookup_binding(expr)
             name = _op_name(bound)
             if name == "relax.permute_dims":
-                rank = len(_shape(bound) or [])
+                rank = len(shape_of(bound) or [])
                 axes = [int(a) for a in bound.attrs.axes] if bound.attrs.axes is not None else None
                 swap = list(range(rank - 2)) + [rank - 1, rank - 2]
                 return bound.args[0] if axes == swap and rank >= 2 else None
-            if name == "relax.broadcast_to" and _shape(bound) == _shape(bound.args[0]):
+            if name == "relax.broadcast_to" and shape_of(bound) == shape_of(bound.args[0]):
                 expr = bound.args[0]
-            elif name == "relax.reshape" and (_shape(bound) or [None])[-2:] == (_shape(bound.args[0]) or [0])[-2:]:
+            elif name == "relax.reshape" and (shape_of(bound) or [None])[-2:] == (shape_of(bound.args[0]) or [0])[-2:]:
                 expr = bound.args[0]
             else:
                 return None
@@ -96,7 +97,7 @@ def _rewrite(mod: tvm.IRModule, rewriter_class, wanted) -> tvm.IRModule:
 def _has_batched_matmul(func) -> bool:
     found = []
     tvm_ffi.structural_walk(func.body, (relax.Call, lambda c: found.append(c) if _op_name(c) == "relax.matmul"
-                                        and len(_shape(c.args[0]) or []) >= 3 else None), order="pre")
+                                        and len(shape_of(c.args[0]) or []) >= 3 else None), order="pre")
     return bool(found)
 
 
@@ -114,7 +115,7 @@ class _ActivationBeforeReshape(PyExprMutator):
             return call
         source = bound.args[0]
         if _op_name(call) == "relax.reshape":
-            return source if _shape(call) == _shape(source) else relax.op.reshape(source, call.args[1])
+            return source if shape_of(call) == shape_of(source) else relax.op.reshape(source, call.args[1])
         if _op_name(call) not in ACTIVATIONS or len(call.args) != 1:
             return call
         return relax.op.reshape(self.builder_.emit(relax.Call(call.op, [source], call.attrs)), bound.args[1])

@@ -17,7 +17,10 @@ from tvm import relax, te, topi
 
 from schedules import matmul
 
+from .layout_rewrites import shape_of
+
 SMALLEST_TILE = (16, 64)  # rows x columns of the matmul template's one-warp tile
+K_TILE = 64  # k per step of the few-row tilings: a part must hold whole steps
 # blocks per SM the split aims for: at 16 x 4096 x 4096 on the H200 4 parts (256 one-warp tiles)
 # and 8 ran their partial products equally fast (17.3-17.7 us); 4 leave half the partial sums to add
 WAVES = 1.5
@@ -34,16 +37,9 @@ def parts(m: int, n: int, k: int, sm_count: int) -> int:
     tiles = m // SMALLEST_TILE[0] * (n // SMALLEST_TILE[1])
     s = 1
     while s < MAX_PARTS and tiles * s < WAVES * sm_count and k % (2 * s) == 0 and k // (2 * s) >= MIN_K_PER_PART \
-            and (k // (2 * s)) % SMALLEST_TILE[1] == 0:
+            and (k // (2 * s)) % K_TILE == 0:
         s *= 2
     return s
-
-
-def _static_shape(expr) -> list | None:
-    shape = expr.ty.shape if isinstance(expr.ty, relax.TensorType) else None
-    if shape is None or any(not isinstance(d, tvm.tirx.IntImm) for d in shape.values):
-        return None
-    return [int(d) for d in shape.values]
 
 
 def partial_products(a: te.Tensor, b: te.Tensor, count: int, out_dtype: str) -> te.Tensor:
@@ -59,9 +55,10 @@ def legalization(sm_count: int):
 
     def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         a, b = call.args
-        sa, sb, out = _static_shape(a), _static_shape(b), str(call.attrs.out_dtype)
+        sa, sb, out = shape_of(a), shape_of(b), str(call.attrs.out_dtype)
         count = 1
-        if sa and sb and len(sa) == len(sb) == 2 and DTYPES.get(str(a.ty.dtype)) == out and b.ty.dtype == a.ty.dtype:
+        if len(sa or []) == len(sb or []) == 2 and all(isinstance(d, int) for d in sa + sb) \
+                and DTYPES.get(str(a.ty.dtype)) == out and b.ty.dtype == a.ty.dtype:
             count = parts(sa[0], sb[1], sa[1], sm_count)
         if count > 1:  # only what the matmul template then takes (else TVM's default schedules it)
             ops = [te.placeholder(shape, str(x.ty.dtype)) for shape, x in ((sa, a), (sb, b))]
