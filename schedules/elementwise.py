@@ -3,15 +3,17 @@
 dlight's fallback gives each thread one element, so each 2- or 4-byte load and store is its own
 instruction: the normalisation after ResNet's batch statistics (read x, write y, 205 MB) ran at
 1.6 TB/s on an H200. Taken only where every input is read along the output's innermost axis with
-stride 1, or not at all (a per-channel scale, a statistic): then the vector accesses are
-contiguous; a transpose stays with dlight.
+stride 1 within each vector, or not at all (a per-channel scale, a statistic): then the vector
+accesses are contiguous; a transpose of that axis stays with dlight.
 """
 
 from __future__ import annotations
 
+import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
-from tvm.ir.expr import TensorLoad
+from tvm.ir.expr import Call, TensorLoad
+from tvm.ir.prim.expr import Select
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
@@ -23,6 +25,7 @@ THREADS = 256
 # Four lanes: wider float32 vectors hit TVM 0.27's broadcast codegen bug (see rows.py); fp16 outputs
 # computed in float32 get float32x4 arithmetic.
 LANES = 4
+IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")
 
 
 class Elementwise(GPUScheduleRule):
@@ -53,14 +56,31 @@ def apply(func: tirx.PrimFunc) -> s_tir.Schedule | None:
 
 
 def _reads_along_innermost(block) -> bool:
-    """Whether every load reads the block's innermost axis as `axis + offset` in its last index and
-    nowhere else, or does not read it at all."""
-    axis = block.iter_vars[-1].var
-    loads = []
+    """Whether each run of LANES outputs along the innermost axis (from a multiple of LANES) reads
+    every input at LANES adjacent elements of its last dimension, or at one element. With the axis
+    written `LANES * q + lane`, each load's index is simplified knowing every iterator's range: its
+    other indices must not depend on the lane, and its last index must be the lane plus something
+    that does not. So `v`, `v + c`, and the `v % 64` and `v // 64` of a head merge (attention's
+    [batch * heads, seq, 64] -> [batch * seq, heads * 64]) pass; a transpose of the axis does not."""
+    axis, dom = block.iter_vars[-1].var, block.iter_vars[-1].dom
+    dtype, extent = str(dom.extent.ty), const_int(dom.extent)
+    q, lane = tirx.Var("q", dtype), tirx.Var("lane", dtype)
+    analyzer = tvm.sym.Analyzer()
+    for iv in block.iter_vars[:-1]:
+        analyzer.bind(iv.var, iv.dom)
+    analyzer.bind(q, tvm.ir.Range.from_min_extent(tirx.const(0, dtype), tirx.const(extent // LANES, dtype)))
+    analyzer.bind(lane, tvm.ir.Range.from_min_extent(tirx.const(0, dtype), tirx.const(LANES, dtype)))
+    spread = (tirx.Var, lambda v: q * LANES + lane if v.same_as(axis) else v)
+    loads, conditions = [], []
     tvm_ffi.structural_walk(block.body, (TensorLoad, loads.append), order="pre")
+    tvm_ffi.structural_walk(block.body, (Select, lambda x: conditions.append(x.condition)), order="pre")
+    tvm_ffi.structural_walk(block.body, (Call, lambda x: conditions.append(x.args[0]) if x.op.same_as(IF_THEN_ELSE) else None),
+                            order="pre")
+    if any(_uses(analyzer.simplify(tvm_ffi.structural_map(c, spread)), lane) for c in conditions):
+        return False  # a choice per lane (the halves of a rotary's rotate_half): TVM loops over the lanes instead
     for load in loads:
-        *outer, last = load.indices
-        if any(_uses(index, axis) for index in outer) or (_uses(last, axis) and not _stride_one(last, axis)):
+        *outer, last = (analyzer.simplify(tvm_ffi.structural_map(index, spread)) for index in load.indices)
+        if any(_uses(index, lane) for index in outer) or (_uses(last, lane) and _uses(analyzer.simplify(last - lane), lane)):
             return False
     return True
 
@@ -69,11 +89,3 @@ def _uses(expr, var) -> bool:
     found = []
     tvm_ffi.structural_walk(expr, (tirx.Var, lambda v: found.append(v) if v.same_as(var) else None), order="pre")
     return bool(found)
-
-
-def _stride_one(expr, var) -> bool:
-    """expr is var, or var + (an expression without var)."""
-    if isinstance(expr, tirx.Var):
-        return expr.same_as(var)
-    return isinstance(expr, tirx.Add) and any(
-        term.same_as(var) and not _uses(other, var) for term, other in ((expr.a, expr.b), (expr.b, expr.a)))
