@@ -4,7 +4,8 @@ dlight's fallback gives each thread one element, so each 2- or 4-byte load and s
 instruction: the normalisation after ResNet's batch statistics (read x, write y, 205 MB) ran at
 1.6 TB/s on an H200. Taken only where every input is read along the output's innermost axis with
 stride 1 within each vector, or not at all (a per-channel scale, a statistic): then the vector
-accesses are contiguous; a transpose of that axis stays with dlight.
+accesses are contiguous; a transpose of that axis stays with dlight. Where a choice depends on the
+lane (LLaMA's rotate_half), the LANES elements of a thread lie THREADS apart instead, unrolled.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ THREADS = 256
 # computed in float32 get float32x4 arithmetic.
 LANES = 4
 IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")
+VECTORS, SPREAD = "vectors", "spread"  # how a thread takes its LANES elements: adjacent, or THREADS apart
 
 
 class Elementwise(GPUScheduleRule):
@@ -46,21 +48,28 @@ def apply(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     block = remaining[0].block_rv
     loops = sch.get_loops(block)
     inner = const_int(sch.get(loops[-1]).extent) if loops else None
-    if inner is None or inner % LANES or not _reads_along_innermost(sch.get(block)):
+    access = _access(sch.get(block)) if inner is not None and inner % LANES == 0 else None
+    if access is None:
         return None
-    _, tx, lanes = sch.split(sch.fuse(*loops), [None, THREADS, LANES])
+    if access == VECTORS:
+        _, tx, lanes = sch.split(sch.fuse(*loops), [None, THREADS, LANES])
+        sch.vectorize(lanes)
+    else:  # LANES elements a thread apart, unrolled: coalesced, and four loads in flight per thread
+        _, lanes, tx = sch.split(sch.fuse(*loops), [None, LANES, THREADS])
+        sch.unroll(lanes)
     sch.bind(sch.get_loops(block)[0], "blockIdx.x")
     sch.bind(tx, "threadIdx.x")
-    sch.vectorize(lanes)
     return sch
 
 
-def _reads_along_innermost(block) -> bool:
-    """Whether each run of LANES outputs along the innermost axis (from a multiple of LANES) reads
-    every input at LANES adjacent elements of its last dimension, or at one element. With the axis
-    written `LANES * q + lane`, each load's index is simplified knowing every iterator's range: its
-    other indices must not depend on the lane, and its last index must be the lane plus something
-    that does not. So `v`, `v + c`, and the `v % 64` and `v // 64` of a head merge (attention's
+def _access(block) -> str | None:
+    """VECTORS when each run of LANES outputs along the innermost axis (from a multiple of LANES)
+    reads every input at LANES adjacent elements of its last dimension, or at one element; SPREAD
+    when so but a choice depends on the lane (the halves of a rotary's rotate_half: TVM would loop
+    over a vector's lanes); None when some read is not contiguous. With the axis written
+    `LANES * q + lane`, each load's index is simplified knowing every iterator's range: its other
+    indices must not depend on the lane, and its last index must be the lane plus something that
+    does not. So `v`, `v + c`, and the `v % 64` and `v // 64` of a head merge (attention's
     [batch * heads, seq, 64] -> [batch * seq, heads * 64]) pass; a transpose of the axis does not."""
     axis, dom = block.iter_vars[-1].var, block.iter_vars[-1].dom
     dtype, extent = str(dom.extent.ty), const_int(dom.extent)
@@ -76,13 +85,11 @@ def _reads_along_innermost(block) -> bool:
     tvm_ffi.structural_walk(block.body, (Select, lambda x: conditions.append(x.condition)), order="pre")
     tvm_ffi.structural_walk(block.body, (Call, lambda x: conditions.append(x.args[0]) if x.op.same_as(IF_THEN_ELSE) else None),
                             order="pre")
-    if any(_uses(analyzer.simplify(tvm_ffi.structural_map(c, spread)), lane) for c in conditions):
-        return False  # a choice per lane (the halves of a rotary's rotate_half): TVM loops over the lanes instead
     for load in loads:
         *outer, last = (analyzer.simplify(tvm_ffi.structural_map(index, spread)) for index in load.indices)
         if any(_uses(index, lane) for index in outer) or (_uses(last, lane) and _uses(analyzer.simplify(last - lane), lane)):
-            return False
-    return True
+            return None
+    return SPREAD if any(_uses(analyzer.simplify(tvm_ffi.structural_map(c, spread)), lane) for c in conditions) else VECTORS
 
 
 def _uses(expr, var) -> bool:

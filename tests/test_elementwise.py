@@ -83,13 +83,20 @@ def test_a_head_merge_is_taken_when_vectors_stay_inside_a_head():
     assert elementwise.apply(_only_func(merge_heads(head_dim=6))) is None
 
 
-def test_a_choice_per_lane_is_left_to_dlight():
-    """rotate_half (a rotary embedding's concatenation of two halves) picks its input per element:
-    TVM would loop over the 4 lanes one at a time, a worse access pattern than dlight's."""
-    x = relax.Var("x", relax.TensorType([64, 128], "float16"))
+def rotate_half(rows=64, width=128):
+    """A rotary embedding's rotate_half: the two halves of each row swapped, the first negated."""
+    x = relax.Var("x", relax.TensorType([rows, width], "float16"))
     half = lambda lo, hi: op.strided_slice(x, axes=[1], begin=[lo], end=[hi])  # noqa: E731
-    func = _only_func(main_module(lambda bb, x: op.concat([op.negative(half(64, 128)), half(0, 64)], axis=1), [x]))
-    assert "if_then_else" in func.script() and elementwise.apply(func) is None
+    return main_module(lambda bb, x: op.concat([op.negative(half(width // 2, width)), half(0, width // 2)], axis=1), [x])
+
+
+def test_a_choice_per_lane_takes_four_elements_a_block_apart():
+    """rotate_half picks its input per element: TVM would loop over a vector's 4 lanes one at a time
+    (strided, uncoalesced), so each thread takes 4 elements THREADS apart instead, unrolled."""
+    assert "if_then_else" in _only_func(rotate_half()).script()
+    source = cuda_source(tvm_ext.build(rotate_half(), CUDA_TARGET))
+    assert f"__launch_bounds__({elementwise.THREADS})" in source and "*(half4*)" not in source
+    assert [f"+ {i * elementwise.THREADS})] = condval_{i};" in source for i in (1, 2, 3)] == [True] * 3
 
 
 @pytest.mark.gpu
@@ -100,3 +107,13 @@ def test_a_head_merge_is_right_on_the_gpu(rng):
     dev = tvm.cuda()
     out = VirtualMachine(tvm_ext.build(merge_heads(), "cuda"), dev)["main"](tvm.runtime.tensor(a, dev)).numpy()
     np.testing.assert_array_equal(out, a.reshape(2, 12, 16, 64).transpose(0, 2, 1, 3).reshape(32, 768))
+
+
+@pytest.mark.gpu
+def test_rotate_half_is_right_on_the_gpu(rng):
+    from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
+
+    x = rng.standard_normal((64, 128)).astype("float16")
+    dev = tvm.cuda()
+    out = VirtualMachine(tvm_ext.build(rotate_half(), "cuda"), dev)["main"](tvm.runtime.tensor(x, dev)).numpy()
+    np.testing.assert_array_equal(out, np.concatenate([-x[:, 64:], x[:, :64]], axis=1))
