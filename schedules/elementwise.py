@@ -54,7 +54,7 @@ def apply(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     if access == VECTORS:
         _, tx, lanes = sch.split(sch.fuse(*loops), [None, THREADS, LANES])
         sch.vectorize(lanes)
-    else:  # LANES elements a thread apart, unrolled: coalesced, and four loads in flight per thread
+    else:  # LANES elements THREADS apart, unrolled: coalesced, and LANES loads in flight per thread
         _, lanes, tx = sch.split(sch.fuse(*loops), [None, LANES, THREADS])
         sch.unroll(lanes)
     sch.bind(sch.get_loops(block)[0], "blockIdx.x")
@@ -79,17 +79,21 @@ def _access(block) -> str | None:
         analyzer.bind(iv.var, iv.dom)
     analyzer.bind(q, tvm.ir.Range.from_min_extent(tirx.const(0, dtype), tirx.const(extent // LANES, dtype)))
     analyzer.bind(lane, tvm.ir.Range.from_min_extent(tirx.const(0, dtype), tirx.const(LANES, dtype)))
-    spread = (tirx.Var, lambda v: q * LANES + lane if v.same_as(axis) else v)
+    def per_lane(expr):  # expr with the axis written LANES * q + lane, simplified
+        return analyzer.simplify(tvm_ffi.structural_map(expr, (tirx.Var, lambda v: position if v.same_as(axis) else v)))
+
+    position = q * LANES + lane
+
     loads, conditions = [], []
     tvm_ffi.structural_walk(block.body, (TensorLoad, loads.append), order="pre")
     tvm_ffi.structural_walk(block.body, (Select, lambda x: conditions.append(x.condition)), order="pre")
-    tvm_ffi.structural_walk(block.body, (Call, lambda x: conditions.append(x.args[0]) if x.op.same_as(IF_THEN_ELSE) else None),
+    tvm_ffi.structural_walk(block.body, (Call, lambda x: x.op.same_as(IF_THEN_ELSE) and conditions.append(x.args[0])),
                             order="pre")
     for load in loads:
-        *outer, last = (analyzer.simplify(tvm_ffi.structural_map(index, spread)) for index in load.indices)
-        if any(_uses(index, lane) for index in outer) or (_uses(last, lane) and _uses(analyzer.simplify(last - lane), lane)):
+        *outer, last = (per_lane(index) for index in load.indices)
+        if any(_uses(index, lane) for index in outer) or _uses(last, lane) and _uses(analyzer.simplify(last - lane), lane):
             return None
-    return SPREAD if any(_uses(analyzer.simplify(tvm_ffi.structural_map(c, spread)), lane) for c in conditions) else VECTORS
+    return SPREAD if any(_uses(per_lane(condition), lane) for condition in conditions) else VECTORS
 
 
 def _uses(expr, var) -> bool:
