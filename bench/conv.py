@@ -4,7 +4,7 @@ and cuDNN with TF32 tensor cores (PyTorch's default for convolutions), in one ru
     python -m bench.conv --out bench/results/h200-DATE-conv [--shapes 32x256x56x56x256] [--grid 60]
 
 A shape is N x C x H x W x F (3x3 kernel, padding 1, float32). Each tiling of `conv2d.TILINGS` (and,
-with --grid, that many more drawn at random from `conv2d.tiling_grid`, to choose TILINGS from) is
+with --grid, that many more drawn at random from `conv2d.knob_space`, to choose TILINGS from) is
 built and timed; the fastest correct one is reported. Every output is checked against PyTorch's
 float32 convolution.
 """
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="path prefix: writes .json and .md")
     ap.add_argument("--shapes", default="", help="comma-separated NxCxHxWxF (default: three ResNet layers)")
-    ap.add_argument("--grid", type=int, default=0, help="also try this many random tilings of conv2d.tiling_grid")
+    ap.add_argument("--grid", type=int, default=0, help="also try this many random tilings of conv2d.knob_space")
     args = ap.parse_args(argv)
     import torch  # noqa: PLC0415
 
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     target = tvm_ext.parse_target("cuda")
     rows, device = [], torch.cuda.get_device_name()
     for shape in shapes:
-        grid = conv2d.tiling_grid(conv_func(*shape))
+        grid = conv2d.knob_space(conv_func(*shape))
         extra = random.Random(0).sample(grid, min(args.grid, len(grid)))
         rows.append(run_shape(shape, target, extra))
         print({k: v for k, v in rows[-1].items() if k != "tried"}, flush=True)

@@ -93,7 +93,7 @@ def shared_bytes(knobs: dict, r: int, q: int, itemsize: int) -> int:
     return (rc * (y + r - 1) * (x + q - 1) + f * rc * r * q) * itemsize
 
 
-def tiling_grid(func: tirx.PrimFunc) -> list[dict]:
+def knob_space(func: tirx.PrimFunc) -> list[dict]:
     """Tilings that fit `func`: 64-512 threads, 8-64 outputs per thread, shared memory under 48 KB."""
     found = convolution(func)
     extents = None if found is None else _static_extents(found[0].get(found[2]))

@@ -77,10 +77,13 @@ def _first_applicable(func, pattern, device) -> tuple | None:
     return None
 
 
-def gpu_contraction(func: tirx.PrimFunc) -> bool:
-    """Whether `func` is a contraction one of our GPU templates takes: a tensor-core matmul or a
-    direct convolution (with the elementwise work after either)."""
-    return matmul.tensor_core_matmul(func) is not None or conv2d.convolution(func) is not None
+def contraction_template(func: tirx.PrimFunc):
+    """The GPU template (module of CONTRACTIONS) that takes `func` whole: the matmul template for a
+    tensor-core matmul, the conv2d template for a direct convolution (with the elementwise work
+    after either); None for anything else. The one place that tells them apart."""
+    if matmul.tensor_core_matmul(func) is not None:
+        return matmul
+    return conv2d if conv2d.convolution(func) is not None else None
 
 
 def _heuristic(func: tirx.PrimFunc, target: Target) -> tuple | None:
@@ -88,9 +91,10 @@ def _heuristic(func: tirx.PrimFunc, target: Target) -> tuple | None:
     tensor-core matmul and the conv2d template's for a convolution; else the first reduce strategy
     that fits; None when none does."""
     device = device_of(target)
-    if device.is_gpu and matmul.tensor_core_matmul(func) is not None:
+    template = contraction_template(func) if device.is_gpu else None
+    if template is matmul:
         return matmul.heuristic(func, device.sm_count)
-    if device.is_gpu and conv2d.convolution(func) is not None:
+    if template is conv2d:
         return conv2d.heuristic(func)
     pattern = match(func)
     return None if pattern is None else _first_applicable(func, pattern, device)

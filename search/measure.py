@@ -148,8 +148,9 @@ def _reference(func) -> tirx.PrimFunc:
     """What computes the task's reference on the CPU: `func` unscheduled, or for a matmul, its
     operands read as float32 and its loops parallel over rows and vectorised over columns (the
     unscheduled fp16 512 x 4096 x 4096 Linear took 92 s here)."""
-    if conv2d.convolution(func) is not None:
-        return _conv2d_reference(func)
+    convolution = conv2d.convolution(func)
+    if convolution is not None:
+        return _conv2d_reference(convolution)
     found = matmul.contraction(func)
     operands = [x.source for x in matmul.multiply_accumulate(found[0].get(found[1]).body)] if found else []
     if not operands or "float" not in str(operands[0].dtype):
@@ -163,11 +164,11 @@ def _reference(func) -> tirx.PrimFunc:
     return _float32_inputs(sch.mod["main"], operands)
 
 
-def _conv2d_reference(func) -> tirx.PrimFunc:
+def _conv2d_reference(convolution) -> tirx.PrimFunc:
     """A convolution for the CPU reference: parallel over images and output channels, the padding
     computed per image and channel, each tap a vectorised pass over an output row (the unscheduled
     32 x 256 x 56 x 56 layer would take minutes)."""
-    sch, pads, block, _ = conv2d.convolution(func)
+    sch, pads, block, _ = convolution
     n, f, y, x, c, r, s = sch.get_loops(block)
     sch.reorder(n, f, c, r, s, y, x)
     outer = sch.fuse(n, f)

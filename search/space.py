@@ -11,20 +11,18 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.target import Target
 
-from schedules import conv2d, matmul
 from schedules.analysis import match
 from schedules.device import device_of
-from schedules.dispatch import STRATEGIES, heuristic_knobs
+from schedules.dispatch import STRATEGIES, contraction_template, heuristic_knobs
 
 
 def knob_space(func: tirx.PrimFunc, target: Target) -> list[dict]:
     """The points of every strategy that fits `func` on `target`, in the heuristic's strategy order,
     the heuristic's own point first (the tuner's first batch then holds what an untuned build runs)."""
     device = device_of(target)
-    if device.is_gpu and matmul.tensor_core_matmul(func) is not None:  # the matmul template's tilings
-        points = matmul.knob_space(func)
-    elif device.is_gpu and conv2d.convolution(func) is not None:  # the conv2d template's tilings
-        points = conv2d.tiling_grid(func)
+    template = contraction_template(func) if device.is_gpu else None
+    if template is not None:  # the matmul or conv2d template's tilings that fit
+        points = template.knob_space(func)
     else:
         pattern = match(func)
         if pattern is None:

@@ -17,7 +17,7 @@ from tvm import relax, tirx
 from tvm.target import Target
 
 from schedules.analysis import is_reduce_subgraph
-from schedules import gpu_contraction
+from schedules import contraction_template
 from tvm_ext.pipeline import fused_module
 from tvm_ext.records import task_key
 from tvm_ext.target import parse_target
@@ -58,7 +58,7 @@ def extract_tasks(mods, target, **options) -> list[Task]:
         for gv, func in sorted(fused.functions_items(), key=lambda item: item[0].name_hint):
             if not isinstance(func, tirx.PrimFunc):
                 continue
-            if not (is_reduce_subgraph(func) or gpu and gpu_contraction(func)):
+            if not (is_reduce_subgraph(func) or gpu and contraction_template(func) is not None):
                 continue
             key = task_key(func, target)
             first = tasks.get(key)

@@ -30,7 +30,7 @@ def test_a_convolution_is_matched_with_its_padding_and_epilogue():
     fused = tvm_ext.pipeline.fused_module(conv_scale_residual_relu(2, 16, 8, 8), tvm_ext.parse_target(CUDA_TARGET))
     func = next(f for gv, f in fused.functions_items() if "conv2d" in gv.name_hint)
     assert len(conv2d.convolution(func)[3]) == 3  # multiply, add, relu
-    assert dispatch.gpu_contraction(func)
+    assert dispatch.contraction_template(func) is conv2d
 
 
 def test_a_matmul_or_a_reduction_is_not_a_convolution():
@@ -52,7 +52,7 @@ def test_tiles_that_do_not_divide_the_image_are_refused():
 
 def test_every_grid_tiling_fits_its_limits():
     func = conv_func(32, 256, 56, 56, 256)
-    grid = conv2d.tiling_grid(func)
+    grid = conv2d.knob_space(func)
     assert len(grid) > 1000
     for k in grid[::97]:
         threads = k["tf"] * k["ty"] * k["tx"]

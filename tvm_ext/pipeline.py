@@ -110,7 +110,7 @@ class ScheduleContractions:
         target = Target.current()
         for gv, func in list(mod.functions_items()):
             if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False) \
-                    or not schedules.gpu_contraction(func):
+                    or schedules.contraction_template(func) is None:
                 continue
             sch = schedules.schedule(func, target, self.database.lookup(func, target) if self.database else None)
             if sch is not None:

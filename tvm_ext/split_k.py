@@ -27,7 +27,6 @@ WAVES = 1.5
 MIN_K_PER_PART = 512
 MAX_ROWS = 64  # a decoding step's or a small batch's rows
 MAX_PARTS = 16
-DTYPES = {"float16": "float32", "int8": "int32"}  # operand -> accumulator the template takes
 
 
 def parts(m: int, n: int, k: int, sm_count: int) -> int:
@@ -58,7 +57,8 @@ def legalization(sm_count: int):
         sa, sb, out = shape_of(a), shape_of(b), str(call.attrs.out_dtype)
         count = 1
         if len(sa or []) == len(sb or []) == 2 and all(isinstance(d, int) for d in sa + sb) \
-                and DTYPES.get(str(a.ty.dtype)) == out and b.ty.dtype == a.ty.dtype:
+                and str(a.ty.dtype) in matmul.TENSOR_CORE_DTYPES and matmul.WIDER[str(a.ty.dtype)] == out \
+                and b.ty.dtype == a.ty.dtype:
             count = parts(sa[0], sb[1], sa[1], sm_count)
         if count > 1:  # only what the matmul template then takes (else TVM's default schedules it)
             ops = [te.placeholder(shape, str(x.ty.dtype)) for shape, x in ((sa, a), (sb, b))]
