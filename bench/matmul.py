@@ -23,7 +23,7 @@ from tvm.runtime.vm import VirtualMachine
 import tvm_ext
 from bench.report import write_json_and_markdown
 from bench.spelled import main_module
-from schedules import matmul
+from schedules import matmul, wgmma_matmul
 from tvm_ext.tensorize import auto_tensorize
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16, 4096, 4096), (1024, 11008, 4096), (4096, 1000, 1024)]
@@ -40,8 +40,8 @@ def template_func(m: int, n: int, k: int, dtype: str = "float16", out: str = "fl
     return next(f for gv, f in mod.functions_items() if gv.name_hint != "main")
 
 
-def build(func, knobs: dict, tensorize: bool, target):
-    sch = matmul.apply(func, knobs)
+def build(func, knobs: dict, tensorize: bool, target, template=matmul):
+    sch = template.apply(func, knobs)
     if sch is None:
         return None
     scheduled = sch.mod["main"]
@@ -59,6 +59,9 @@ ACCUMULATOR = {"float16": "float32", "int8": "int32"}
 
 
 def run_shape(m: int, n: int, k: int, target, dtype: str = "float16") -> dict:
+    """One shape: cuBLAS, the thread-level template with and without the pass (each tiling, the
+    best kept), the wgmma template (each tile, when `target` is sm_90a), dlight (on sm_90: on sm_90a
+    dlight leaves the tensor cores out) and the whole pipeline on `target`."""
     import torch  # noqa: PLC0415 (after tvm, as the field guide says; the CPU tests import this module)
     from triton.testing import do_bench  # noqa: PLC0415
 
@@ -95,8 +98,17 @@ def run_shape(m: int, n: int, k: int, target, dtype: str = "float16") -> dict:
         row["plain_us"], row["plain_err"] = timed(build(func, best["knobs"], False, target))
     else:
         row["ours_error"] = "no tiling of the template fits this shape" if not tried else "wrong results"
+    warpgroup = []
+    for knobs in wgmma_matmul.knob_space(func) if wgmma_matmul.supports(target) else []:
+        us, err = timed(build(func, knobs, False, target, wgmma_matmul))
+        warpgroup.append({"knobs": knobs, "us": us, "err": err})
+    good = [t for t in warpgroup if t["err"] < 1e-2]
+    if good:
+        best = min(good, key=lambda t: t["us"])
+        row.update(wgmma_us=best["us"], wgmma_err=best["err"], wgmma_knobs=best["knobs"])
     relax_mod = relax_matmul(m, n, k, dtype, ACCUMULATOR[dtype])
-    for impl, executable in (("dlight", lambda: tvm.compile(relax_mod, target=target)),
+    sm_90 = tvm.target.Target({**target.export(), "arch": str(target.attrs["arch"]).removesuffix("a")}, host=target.host)
+    for impl, executable in (("dlight", lambda: tvm.compile(relax_mod, target=sm_90)),
                              ("pipeline", lambda: tvm_ext.build(relax_mod, target))):
         try:
             main = VirtualMachine(executable(), tvm.cuda())["main"]
@@ -108,7 +120,7 @@ def run_shape(m: int, n: int, k: int, target, dtype: str = "float16") -> dict:
         row[f"{impl}_err"] = float((got - want.double()).abs().max() / want.double().abs().max())
         row[f"{impl}_us"] = do_bench(lambda: main(tvm.runtime.from_dlpack(a), tvm.runtime.from_dlpack(b)),
                                      return_mode="median") * 1e3
-    row["tried"] = tried
+    row["tried"], row["wgmma_tried"] = tried, warpgroup
     return row
 
 
@@ -117,19 +129,21 @@ def table(rows: list, device: str) -> str:
     what = ("TOPS = 2MNK / median time. int8 in, int32 out (cuBLAS: torch._int_mm)." if int8 else
             "TFLOP/s = 2MNK / median time. Ours and plain: fp16 in, fp32 out; cuBLAS: fp16 in/out.")
     lines = [f"{device}; {what}", "",
-             "| M x N x K | cuBLAS | ours (pass) | plain (no pass) | dlight | tvm_ext.build | ours / cuBLAS | "
-             "ours / dlight | ours / plain | tvm_ext.build / cuBLAS | tiling (bm, wm, bn, bk, stages) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| M x N x K | cuBLAS | ours (pass) | plain (no pass) | dlight | wgmma | tvm_ext.build | ours / cuBLAS | "
+             "ours / dlight | ours / plain | wgmma / cuBLAS | wgmma / dlight | tvm_ext.build / cuBLAS | "
+             "tiling (bm, wm, bn, bk, stages) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m, n, k = r["shape"]
-        f = {key: tflops(m, n, k, r[f"{key}_us"]) for key in ("cublas", "ours", "plain", "dlight", "pipeline")
+        f = {key: tflops(m, n, k, r[f"{key}_us"]) for key in ("cublas", "ours", "plain", "dlight", "wgmma", "pipeline")
              if f"{key}_us" in r}
         t = r.get("knobs", {})
         ours, built = f.get("ours"), f.get("pipeline")
         lines.append(f"| {m}x{n}x{k} | {f['cublas']:.0f} | {ours and f'{ours:.0f}' or r.get('ours_error')} | "
                      f"{f.get('plain', float('nan')):.0f} | {f.get('dlight', float('nan')):.0f} | "
-                     f"{built and f'{built:.0f}' or r.get('pipeline_error', '-')} | "
+                     f"{f.get('wgmma', float('nan')):.0f} | {built and f'{built:.0f}' or r.get('pipeline_error', '-')} | "
                      + " | ".join(f"{ours / f[x]:.2f}x" if ours and x in f else "-" for x in ("cublas", "dlight", "plain"))
+                     + " | " + " | ".join(f"{f['wgmma'] / f[x]:.2f}x" if "wgmma" in f and x in f else "-"
+                                          for x in ("cublas", "dlight"))
                      + (f" | {built / f['cublas']:.2f}x" if built else " | -"))
         lines[-1] += f" | {t and (t['block_m'], t['warp_m'], t['block_n'], t['block_k'], t['stages'])} |"
     return "\n".join(lines)

@@ -21,6 +21,7 @@ class Device:
     threads_per_sm: int = 2048  # resident threads per SM (sm_70 .. sm_90)
     registers_per_sm: int = 65536
     smem_per_sm: int = 228 * 1024  # sm_90; a block also costs 1 KB the driver reserves
+    wgmma: bool = False  # warpgroup tensor-core instructions: sm_90a targets only
 
     @property
     def is_gpu(self) -> bool:
@@ -45,11 +46,13 @@ def _attr(target: Target, name: str, default: int) -> int:
 def device_of(target: Target) -> Device:
     if target.kind.name != "cuda":
         return Device("cpu", 1, 1, 0, _attr(target, "num-cores", 1))
-    arch = str(target.attrs.get("arch", "sm_90")).rstrip("a")
+    full_arch = str(target.attrs.get("arch", "sm_90"))
+    arch = full_arch.rstrip("a")
     return Device(
         kind="cuda",
         max_threads=_attr(target, "max_num_threads", 1024),
         warp=_attr(target, "thread_warp_size", 32),
         smem_bytes=_attr(target, "max_shared_memory_per_block", 48 * 1024),
         sm_count=_attr(target, "multi_processor_count", _SM_COUNT.get(arch, 80)),
+        wgmma=full_arch == "sm_90a",
     )

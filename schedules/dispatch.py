@@ -11,13 +11,13 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.target import Target
 
-from . import block_row, column_reduce, conv2d, cpu_rows, grid_reduce, grid_sync, matmul, warp_row
+from . import block_row, column_reduce, conv2d, cpu_rows, grid_reduce, grid_sync, matmul, warp_row, wgmma_matmul
 from .analysis import ROW, const_int, match
 from .device import device_of
 
 # Heuristic order: the first strategy whose default_knobs accepts the pattern wins.
 STRATEGIES = {s.NAME: s for s in (warp_row, grid_reduce, grid_sync, block_row, column_reduce, cpu_rows)}
-CONTRACTIONS = {s.NAME: s for s in (matmul, conv2d)}  # GPU templates that take a whole PrimFunc
+CONTRACTIONS = {s.NAME: s for s in (matmul, wgmma_matmul, conv2d)}  # GPU templates that take a whole PrimFunc
 
 
 # A symbolic row width gets one kernel per width class, chosen at run time (tvm_ext.variants).
@@ -93,7 +93,7 @@ def _heuristic(func: tirx.PrimFunc, target: Target) -> tuple | None:
     device = device_of(target)
     template = contraction_template(func) if device.is_gpu else None
     if template is matmul:
-        return matmul.heuristic(func, device.sm_count)
+        return (device.wgmma and wgmma_matmul.heuristic(func, device.sm_count)) or matmul.heuristic(func, device.sm_count)
     if template is conv2d:
         return conv2d.heuristic(func)
     pattern = match(func)
@@ -109,6 +109,8 @@ def heuristic_knobs(func: tirx.PrimFunc, target: Target) -> dict | None:
 
 def schedule(func: tirx.PrimFunc, target: Target, knobs: dict | None = None) -> s_tir.Schedule | None:
     """Schedule `func` with `knobs` (or the heuristic's); None when no strategy of ours fits."""
+    if knobs and knobs.get("strategy") == matmul.NAME and device_of(target).wgmma and wgmma_matmul.knob_space(func):
+        knobs = None  # a record of the thread-level template: on sm_90a the wgmma one beats it (README, Matmul)
     if not knobs:
         found = _heuristic(func, target)
         return found[1] if found else None

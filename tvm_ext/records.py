@@ -35,7 +35,8 @@ VERSION = 1
 
 
 def target_name(target: Target) -> str:
-    arch = str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else ""
+    # sm_90a is sm_90 plus its arch-specific instructions (wgmma): one chip, one set of records
+    arch = str(target.attrs.get("arch", "")).removesuffix("a") if target.kind.name == "cuda" else ""
     return f"{target.kind.name}{'-' + arch if arch else ''}"
 
 

@@ -14,14 +14,16 @@ _CUDA_LIMITS = {"max_num_threads": 1024, "max_threads_per_block": 1024, "thread_
 
 
 def current_gpu_arch() -> str:
-    """`sm_XY` of GPU 0; ValueError when no CUDA GPU is visible to TVM."""
+    """`sm_XY` of GPU 0 (`sm_90a` on Hopper: its arch-specific instructions, which the wgmma
+    matmul template needs); ValueError when no CUDA GPU is visible to TVM."""
     dev = tvm.cuda(0)
     if not dev.exist:
         raise ValueError(
             "target 'cuda' means the current GPU's architecture, but no CUDA GPU is visible; "
             "pass an explicit target such as {'kind': 'cuda', 'arch': 'sm_90'}"
         )
-    return "sm_" + dev.compute_version.replace(".", "")
+    arch = "sm_" + dev.compute_version.replace(".", "")
+    return arch + "a" if arch == "sm_90" else arch
 
 
 def cuda_target(arch: str) -> Target:

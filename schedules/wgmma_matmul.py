@@ -1,0 +1,262 @@
+"""Warpgroup matmul (Hopper `wgmma`): the fp16 matmul template for sm_90a targets.
+
+Why a second matmul template: the thread-level one (matmul.py, tensor cores through the
+auto-tensorization pass) issues `mma.sync` from each warp and stops near half of cuBLAS on an
+H200 (the tensor pipe waits on register operands, bench/results/*-matmul-ncu-128x256.txt). On
+Hopper a warpgroup (4 warps) multiplies a 64 x N x 16 step whose operands the tensor cores read
+straight from shared memory. TVM 0.27 schedules do not reach that instruction, but its TIR has the
+PTX intrinsics (`T.ptx` wgmma, cp.async, fence.proxy.async, the matrix descriptor), so this
+template writes the kernel itself:
+
+- a block computes `block_m x block_n` of C with `block_m / 64` warpgroups, each 64 rows by
+  `block_n` (one `m64n{block_n}k16` per 16 of k, f32 accumulators in registers);
+- 64 of k per stage, `stages` shared-memory stages filled by cp.async (every thread, 16 bytes
+  each) `stages - 1` tiles ahead of the tensor cores;
+- shared tiles in the 128-byte swizzled layouts the descriptors name: A (and a k-major B, a
+  [n, k] weight) as rows of 64 k; an n-major B ([k, n]) in atoms of 64 columns;
+- the elementwise work FuseOps put after the matmul (the cast back to fp16, a bias, a residual, an
+  activation) is computed on the accumulators as they are stored.
+
+Shapes: fp16 operands, f32 accumulation, static sizes, M a multiple of 64, N and K of 64, A read
+along k. Anything else is left to the thread-level template.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+import tvm_ffi
+from tvm import s_tir, tirx
+from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
+from tvm.script import tirx as T
+
+from . import matmul
+
+NAME = "wgmma_matmul"
+ROWS = 64  # of one warpgroup's m64nNk16
+K_TILE = 64  # k per stage: one 128-byte swizzled row of fp16
+WARPGROUP = 128
+SWIZZLE_128B = 3  # the descriptor helper's code for 128-byte swizzling
+ATOM_BYTES = 1024  # 8 rows of 128 bytes: the swizzle pattern repeats at this stride
+TILES = [(128, 256), (128, 128), (64, 256), (64, 128), (64, 64)]  # (block_m, block_n), largest first
+
+
+def supports(target) -> bool:
+    """wgmma exists on sm_90a only (the `a` variant of Hopper's architecture)."""
+    return target.kind.name == "cuda" and str(target.attrs.get("arch", "")) == "sm_90a"
+
+
+def _fit(func: tirx.PrimFunc):
+    """(Schedule, matmul block, epilogue blocks) of a matmul this template takes, else None."""
+    found = matmul.contraction(func)
+    if found is None:
+        return None
+    sch, block_rv, _ = found
+    block = sch.get(block_rv)
+    a, b = matmul.multiply_accumulate(block.body)
+    extents = [iv.dom.extent for iv in block.iter_vars]
+    if str(a.source.dtype) != "float16" or str(block.writes[0].source.dtype) != "float32" \
+            or not all(isinstance(e, tirx.IntImm) for e in extents) or matmul._part_strides(block) != []:
+        return None
+    m, n, k = (int(e) for e in extents[-3:])
+    if m % ROWS or n % 64 or k % K_TILE or not matmul.k_is_last(block)[0]:
+        return None
+    return found
+
+
+def knob_space(func: tirx.PrimFunc) -> list[dict]:
+    """Every tile that divides the matmul, with as many stages as shared memory holds (up to 8)."""
+    found = _fit(func)
+    if found is None:
+        return []
+    *_, m, n, _ = _sizes(found)
+    return [{"strategy": NAME, "block_m": bm, "block_n": bn, "stages": min(8, matmul.MAX_SHARED // _stage_bytes(bm, bn))}
+            for bm, bn in TILES if m % bm == 0 and n % bn == 0]
+
+
+def _sizes(found) -> list[int]:
+    """The matmul block's extents: batch..., m, n, k."""
+    sch, block, _ = found
+    return [int(iv.dom.extent) for iv in sch.get(block).iter_vars]
+
+
+def _stage_bytes(block_m: int, block_n: int) -> int:
+    return (block_m + block_n) * K_TILE * 2
+
+
+def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule] | None:
+    """The largest tile giving about a full wave of blocks (90% of the SMs), else the one giving
+    the most blocks."""
+    space = knob_space(func)
+    if not space:
+        return None
+    *batch, m, n, _ = _sizes(_fit(func))
+    blocks = [math.prod(batch) * m // knobs["block_m"] * n // knobs["block_n"] for knobs in space]
+    filled = [knobs for knobs, count in zip(space, blocks) if count >= 0.9 * sm_count]
+    knobs = filled[0] if filled else space[blocks.index(max(blocks))]
+    return knobs, apply(func, knobs)
+
+
+def _epilogue(sch, epilogue: list, accumulator: tirx.Buffer):
+    """(output buffer, its block's iterators, value, the placeholder Var standing for the
+    accumulator's load in it) of the elementwise blocks after the matmul, folded into one; the
+    accumulator itself when there are none. None when a block reads the accumulator anywhere but at
+    its own position."""
+    placeholder = tirx.Var("acc", "float32")
+    if not epilogue:
+        return accumulator, None, placeholder, placeholder
+    for consumer in epilogue[:-1]:
+        sch.compute_inline(consumer)
+    block = sch.get(epilogue[-1])
+    store, ivs = block.body, [iv.var for iv in block.iter_vars]
+    reads_elsewhere = []
+
+    def replace(load):
+        if not load.source.same_as(accumulator):
+            return load
+        if len(load.indices) != len(ivs) or any(not i.same_as(v) for i, v in zip(load.indices, ivs)):
+            reads_elsewhere.append(load)
+        return placeholder
+
+    value = tvm_ffi.structural_map(store.value, (TensorLoad, replace))
+    if reads_elsewhere or len(store.indices) != len(ivs) or any(not i.same_as(v) for i, v in zip(store.indices, ivs)):
+        return None
+    return store.buffer, ivs, value, placeholder
+
+
+def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
+    """The wgmma kernel for `func` with `knobs` (block_m, block_n, stages), as a Schedule of the
+    finished loop nest (nothing is left to schedule); None when it does not fit."""
+    found = _fit(func)
+    if found is None:
+        return None
+    sch, block_rv, epilogue = found
+    block = sch.get(block_rv)
+    bm, bn, stages = int(knobs["block_m"]), int(knobs["block_n"]), int(knobs["stages"])
+    *batch, m, n, k = (int(iv.dom.extent) for iv in block.iter_vars)
+    if bm % ROWS or bn % 64 or bn > 256 or m % bm or n % bn or stages < 2 \
+            or stages * _stage_bytes(bm, bn) > matmul.MAX_SHARED:
+        return None
+    folded = _epilogue(sch, epilogue, block.writes[0].source)
+    if folded is None:
+        return None
+    kernel = _kernel(block, folded, bm, bn, stages, batch, m, n, k)
+    return s_tir.Schedule(func.with_body(kernel.body))
+
+
+def _kernel(block, folded, bm, bn, stages, batch, m, n, k) -> tirx.PrimFunc:
+    """The loop nest, written against the original function's buffers."""
+    a_load, b_load = matmul.multiply_accumulate(block.body)
+    ivs = [iv.var for iv in block.iter_vars]
+    *batch_vars, row_var, col_var, k_var = ivs
+    b_n_major = not matmul.k_is_last(block)[1]
+    out, out_ivs, value, placeholder = folded
+    threads = bm // ROWS * WARPGROUP
+    a_elems, b_elems = bm * K_TILE, bn * K_TILE
+    stage_elems = a_elems + b_elems
+    a_chunks, b_chunks = a_elems // 8 // threads, b_elems // 8 // threads  # 16-byte copies per thread
+    k_tiles, ahead = k // K_TILE, min(stages - 1, k // K_TILE)
+    regs = bn // 2
+
+    def at(load, bindings):
+        """The element of `load`'s buffer at the matmul's iterators bound to `bindings`."""
+        values = {var: tirx.Cast(str(var.ty), value) for var, value in bindings.items()}
+        return T.address_of(load.source[tuple(_bind(index, values) for index in load.indices)])
+
+    def batch_of(z):
+        """The batch iterators of flat batch index z (blockIdx.z)."""
+        out_, rest = {}, z
+        for var, extent in reversed(list(zip(batch_vars, batch))):
+            out_[var], rest = rest % extent, rest // extent
+        return out_
+
+    def copy_a(slot, tile, tx, by, bz, i):
+        chunk = tx + i * threads
+        row, piece = chunk // 8, chunk % 8
+        dst = slot * stage_elems + row * K_TILE + T.bitwise_xor(piece, row % 8) * 8
+        return dst, at(a_load, {**batch_of(bz), row_var: by * bm + row, k_var: tile * K_TILE + piece * 8})
+
+    def copy_b(slot, tile, tx, bx, bz, i):
+        chunk = tx + i * threads
+        if b_n_major:  # [k, n]: 64-column atoms, each K_TILE rows of 128 bytes
+            krow, piece = chunk // (bn // 8), chunk % (bn // 8)
+            dst = (slot * stage_elems + a_elems + piece // 8 * (K_TILE * 64) + krow * 64
+                   + T.bitwise_xor(piece % 8, krow % 8) * 8)
+            return dst, at(b_load, {**batch_of(bz), k_var: tile * K_TILE + krow, col_var: bx * bn + piece * 8})
+        col, piece = chunk // 8, chunk % 8  # [n, k]: rows of 64 k, like A
+        dst = slot * stage_elems + a_elems + col * K_TILE + T.bitwise_xor(piece, col % 8) * 8
+        return dst, at(b_load, {**batch_of(bz), col_var: bx * bn + col, k_var: tile * K_TILE + piece * 8})
+
+    def store(tx, bx, by, bz, r, acc):
+        """C's element of accumulator register r: the m64nNk16 layout (each warp 16 rows; a lane
+        4 registers per 8 columns)."""
+        row = by * bm + tx // 32 * 16 + tx % 32 // 4 + 8 * (r // 2 % 2)
+        col = bx * bn + r // 4 * 8 + tx % 4 * 2 + r % 2
+        if out_ivs is None:
+            return out, [tirx.Cast(str(v.ty), x) for v, x in zip(ivs[:-1], [*batch_of(bz).values(), row, col])], acc
+        bindings = dict(zip(out_ivs, [*batch_of(bz).values(), row, col]))
+        bindings = {var: tirx.Cast(str(var.ty), x) for var, x in bindings.items()}
+        return out, list(bindings.values()), _bind(value, {**bindings, placeholder: acc})
+
+    b_lbo = K_TILE * 128 // 16 if b_n_major else 1  # n-major: from one 64-column atom to the next
+    b_step = 16 * 128 if b_n_major else 32  # bytes from one 16-wide step of k to the next
+    trans_b = 1 if b_n_major else 0
+    mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16"
+    grid_z = math.prod(batch)
+
+    @T.prim_func(check_well_formed=False)
+    def kernel():
+        bz = T.launch_thread("blockIdx.z", grid_z)
+        bx = T.launch_thread("blockIdx.x", n // bn)
+        by = T.launch_thread("blockIdx.y", m // bm)
+        tx = T.launch_thread("threadIdx.x", threads)
+        smem = T.alloc_buffer((stages * stage_elems,), "float16", scope="shared.dyn")
+        acc = T.alloc_buffer((regs,), "float32", scope="local")
+        desc_a = T.alloc_buffer((1,), "uint64", scope="local")
+        desc_b = T.alloc_buffer((1,), "uint64", scope="local")
+        T.evaluate(T.cuda.wgmma.encode_matrix_descriptor(
+            T.address_of(desc_a[0]), T.address_of(smem[tx // WARPGROUP * ROWS * K_TILE]), 1, ATOM_BYTES // 16, SWIZZLE_128B))
+        T.evaluate(T.cuda.wgmma.encode_matrix_descriptor(
+            T.address_of(desc_b[0]), T.address_of(smem[a_elems]), b_lbo, ATOM_BYTES // 16, SWIZZLE_128B))
+        for tile in T.unroll(ahead):  # prologue: the first tiles, one commit group each
+            for i in T.unroll(a_chunks):
+                dst, src = T.meta_var(copy_a(tile, tile, tx, by, bz, i))
+                T.ptx["cp.async.cg.shared.global"](T.address_of(smem[dst]), src, 16)
+            for i in T.unroll(b_chunks):
+                dst, src = T.meta_var(copy_b(tile, tile, tx, bx, bz, i))
+                T.ptx["cp.async.cg.shared.global"](T.address_of(smem[dst]), src, 16)
+            T.ptx["cp.async.commit_group"]()
+        for kt in range(k_tiles):
+            T.ptx["cp.async.wait_group"](ahead - 1)  # this thread's copies of tile kt have landed
+            T.ptx["fence.proxy.async.shared::cta"]()  # generic-proxy writes, then wgmma's async reads
+            T.tvm_storage_sync("shared")  # every thread's copies; the slot of tile kt - 1 is free
+            if kt + ahead < k_tiles:
+                for i in T.unroll(a_chunks):
+                    dst, src = T.meta_var(copy_a((kt + ahead) % stages, kt + ahead, tx, by, bz, i))
+                    T.ptx["cp.async.cg.shared.global"](T.address_of(smem[dst]), src, 16)
+                for i in T.unroll(b_chunks):
+                    dst, src = T.meta_var(copy_b((kt + ahead) % stages, kt + ahead, tx, bx, bz, i))
+                    T.ptx["cp.async.cg.shared.global"](T.address_of(smem[dst]), src, 16)
+            T.ptx["cp.async.commit_group"]()  # (empty at the tail: the group count stays in step)
+            T.ptx["wgmma.fence.sync.aligned"]()
+            for kk in T.unroll(K_TILE // 16):
+                T.ptx[mma](*[acc[r] for r in range(regs)],
+                           desc_a[0] + T.uint64((kt % stages * stage_elems * 2 + kk * 32) // 16),
+                           desc_b[0] + T.uint64((kt % stages * stage_elems * 2 + kk * b_step) // 16),
+                           T.Or(kt > 0, kk > 0), 1, 1, 0, trans_b)  # scale-d 0 first: D = A * B
+            T.ptx["wgmma.commit_group.sync.aligned"]()
+            T.ptx["wgmma.wait_group.sync.aligned"](0)  # (keeping one in flight measured no faster)
+        for r in T.unroll(regs):
+            buffer, indices, result = T.meta_var(store(tx, bx, by, bz, r, acc[r]))
+            T.buffer_store(buffer, result, indices)
+
+    return kernel
+
+
+def _bind(expr, bindings: dict):
+    """`expr` with the Vars of `bindings` replaced."""
+    def replace(var):
+        return next((value for key, value in bindings.items() if key.same_as(var)), var)
+
+    return tvm_ffi.structural_map(expr, (tirx.Var, replace))

@@ -1,0 +1,117 @@
+"""The warpgroup (wgmma) matmul template: which matmuls it takes, the CUDA it writes, and (GPU) its
+numbers, alone and with the epilogue FuseOps puts after a matmul."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax, te
+from tvm.runtime.vm import VirtualMachine
+
+import tvm_ext
+from bench.matmul import template_func
+from bench.spelled import main_module
+from schedules import dispatch, wgmma_matmul
+from tvm_ext.introspect import cuda_source as cuda_source_of
+from tvm_ext.pipeline import fused_module
+
+SM_90A = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def cuda_source(func) -> str:
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=tvm.target.Target(SM_90A))
+    return (lib.mod if hasattr(lib, "mod") else lib).imports[0].inspect_source()
+
+
+def linear_gelu(m, n, k):
+    """gelu(x @ W^T + bias) in fp16, W stored [n, k] as torch.nn.Linear keeps it."""
+    x, w = relax.Var("x", relax.TensorType([m, k], "float16")), relax.Var("w", relax.TensorType([n, k], "float16"))
+    bias = relax.Var("bias", relax.TensorType([n], "float16"))
+
+    def body(bb, x, w, bias):
+        y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w), out_dtype="float32"))
+        return relax.op.nn.gelu(relax.op.add(relax.op.astype(y, "float16"), bias))
+
+    return main_module(body, [x, w, bias])
+
+
+def test_the_template_takes_fp16_matmuls_of_whole_64_tiles_only():
+    assert [(p["block_m"], p["block_n"]) for p in wgmma_matmul.knob_space(template_func(256, 512, 256))] == \
+        [(128, 256), (128, 128), (64, 256), (64, 128), (64, 64)]
+    assert wgmma_matmul.knob_space(template_func(4096, 1000, 1024)) == []  # N not a multiple of 64
+    assert wgmma_matmul.knob_space(template_func(16, 4096, 4096)) == []  # fewer rows than a warpgroup's 64
+    assert wgmma_matmul.knob_space(template_func(256, 512, 256, "bfloat16")) == []
+    assert wgmma_matmul.knob_space(template_func(256, 512, 256, "int8", "int32")) == []
+    assert wgmma_matmul.apply(template_func(256, 512, 256), {"block_m": 128, "block_n": 256, "stages": 5}) is None  # 240 KB
+
+
+def test_only_sm_90a_targets_get_it():
+    func = template_func(1024, 1024, 1024)
+    assert dispatch.heuristic_knobs(func, tvm.target.Target(SM_90A))["strategy"] == "wgmma_matmul"
+    assert dispatch.heuristic_knobs(func, tvm.target.Target({"kind": "cuda", "arch": "sm_90"}))["strategy"] == "matmul"
+
+
+def test_a_full_wave_of_blocks_picks_the_tile():
+    sm_90a = tvm.target.Target(SM_90A)
+    assert dispatch.heuristic_knobs(template_func(4096, 4096, 4096), sm_90a)["block_n"] == 256  # 512 blocks
+    small = dispatch.heuristic_knobs(template_func(512, 768, 768), sm_90a)  # BERT's attention projection
+    assert (small["block_m"], small["block_n"]) == (64, 64)  # 96 blocks, the most any tile gives
+
+
+@pytest.mark.parametrize("n_major", [True, False])
+def test_the_cuda_is_warpgroup_mma_from_swizzled_shared_memory(n_major):
+    func = template_func(256, 512, 256)
+    if not n_major:
+        a, w = te.placeholder((256, 256), "float16", name="a"), te.placeholder((512, 256), "float16", name="w")
+        r = te.reduce_axis((0, 256), name="k")
+        func = te.create_prim_func([a, w, te.compute(
+            (256, 512), lambda i, j: te.sum(a[i, r].astype("float32") * w[j, r].astype("float32"), axis=r), name="c")])
+    src = cuda_source(wgmma_matmul.apply(func, {"block_m": 128, "block_n": 128, "stages": 4}).mod["main"])
+    assert src.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16") == 1  # one helper ...
+    assert src.count("_m64n128k16_f32_f16_f16_1_1_0_" + ("1(" if n_major else "0(")) == 5  # ... defined, called 4x
+    for needed in ("wgmma.fence.sync.aligned", "wgmma.commit_group", "wgmma.wait_group.sync.aligned 0",
+                   "fence.proxy.async.shared::cta", "cp.async.cg.shared.global", "cp.async.wait_group 2"):
+        assert needed in src, needed
+    assert "& 7) ^ " in src  # the 128-byte swizzle: a 16-byte chunk's index XOR its row's
+    assert "__launch_bounds__(256)" in src  # two warpgroups for 128 rows
+
+
+def test_the_epilogue_is_computed_on_the_accumulators():
+    mod = fused_module(linear_gelu(256, 512, 256), tvm.target.Target(SM_90A))
+    (name, func), = [(gv.name_hint, f) for gv, f in mod.functions_items()
+                     if isinstance(f, tvm.tirx.PrimFunc) and dispatch.contraction_template(f) is not None]
+    src = cuda_source(wgmma_matmul.apply(func, wgmma_matmul.knob_space(func)[0]).mod["main"])
+    assert "wgmma.mma_async" in src
+    assert "erf" in src and "bias" in src  # GELU and the bias in the same kernel as the wgmma
+    assert "float* __restrict__" not in src.split("main_kernel(")[1].split(")")[0]  # no fp32 intermediate
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(256, 512, 256), (128, 256, 64), (1024, 11008, 4096)])
+def test_wgmma_matmul_on_gpu(shape, rng):
+    m, n, k = shape
+    func = template_func(m, n, k)
+    a = rng.standard_normal((m, k)).astype("float16")
+    b = rng.standard_normal((k, n)).astype("float16")
+    want = a.astype("float64") @ b.astype("float64")
+    for knobs in wgmma_matmul.knob_space(func):
+        lib = tvm.compile(tvm.IRModule({"main": wgmma_matmul.apply(func, knobs).mod["main"].with_attr("global_symbol", "main")}),
+                          target=tvm.target.Target(SM_90A))
+        dev = tvm.cuda()
+        c = tvm.runtime.tensor(np.full((m, n), np.nan, "float32"), dev)
+        lib["main"](tvm.runtime.tensor(a, dev), tvm.runtime.tensor(b, dev), c)
+        err = np.abs(c.numpy() - want).max() / np.abs(want).max()
+        assert err < 1e-3, (knobs, err)
+
+
+@pytest.mark.gpu
+def test_linear_gelu_through_the_pipeline_on_gpu(rng):
+    m, n, k = 512, 768, 768
+    x, w = rng.standard_normal((m, k)).astype("float16"), (rng.standard_normal((n, k)) / 16).astype("float16")
+    bias = rng.standard_normal(n).astype("float16")
+    executable = tvm_ext.build(linear_gelu(m, n, k), SM_90A)
+    assert "wgmma.mma_async" in cuda_source_of(executable)
+    dev = tvm.cuda()
+    got = VirtualMachine(executable, dev)["main"](*[tvm.runtime.tensor(v, dev) for v in (x, w, bias)]).numpy()
+    y = (x.astype("float32") @ w.astype("float32").T).astype("float16").astype("float32") + bias.astype("float32")
+    want = 0.5 * y * (1 + np.vectorize(__import__("math").erf)(y / np.sqrt(2)))
+    np.testing.assert_allclose(got.astype("float32"), want, atol=2e-2, rtol=2e-2)
