@@ -66,13 +66,27 @@ def _fit(func: tirx.PrimFunc):
 
 
 def knob_space(func: tirx.PrimFunc) -> list[dict]:
-    """Every tile that divides the matmul, with as many stages as shared memory holds (up to 8)."""
+    """Every tile that divides the matmul, each with as many stages as shared memory holds (up to
+    8) and with as many as leave room for a second block on the SM."""
     found = _fit(func)
     if found is None:
         return []
     *_, m, n, _ = _sizes(found)
-    return [{"strategy": NAME, "block_m": bm, "block_n": bn, "stages": min(8, matmul.MAX_SHARED // _stage_bytes(bm, bn))}
-            for bm, bn in TILES if m % bm == 0 and n % bn == 0]
+    return [{"strategy": NAME, "block_m": bm, "block_n": bn, "stages": stages}
+            for bm, bn in TILES if m % bm == 0 and n % bn == 0 for stages in _stage_counts(bm, bn)]
+
+
+def _stage_counts(block_m: int, block_n: int) -> list[int]:
+    """The most stages one block may have (at most 8), then the most that let two blocks share an
+    SM (the driver keeps 1 KB per block); counts too small to pipeline or to hold the output tile
+    (staged through the same memory) dropped."""
+    stage = _stage_bytes(block_m, block_n)
+    counts = [min(8, matmul.MAX_SHARED // stage), (matmul.MAX_SHARED // 2 - 1024) // stage]
+    return sorted({c for c in counts if c >= 2 and c * stage >= _output_bytes(block_m, block_n)}, reverse=True)
+
+
+def _output_bytes(block_m: int, block_n: int) -> int:
+    return block_m * (block_n + 8) * 2  # fp16 rows padded by 8
 
 
 def _sizes(found) -> list[int]:
@@ -92,9 +106,12 @@ def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule]
     if not space:
         return None
     *batch, m, n, _ = _sizes(_fit(func))
-    blocks = [math.prod(batch) * m // knobs["block_m"] * n // knobs["block_n"] for knobs in space]
-    filled = [knobs for knobs, count in zip(space, blocks) if count >= 0.9 * sm_count]
-    knobs = filled[0] if filled else space[blocks.index(max(blocks))]
+    tiles = list(dict.fromkeys((knobs["block_m"], knobs["block_n"]) for knobs in space))
+    blocks = [math.prod(batch) * m // bm * n // bn for bm, bn in tiles]
+    filled = [tile for tile, count in zip(tiles, blocks) if count >= 0.9 * sm_count]
+    bm, bn = filled[0] if filled else tiles[blocks.index(max(blocks))]
+    # one warpgroup per block: two blocks per SM (fewer stages each); two warpgroups: the most stages
+    knobs = [knobs for knobs in space if (knobs["block_m"], knobs["block_n"]) == (bm, bn)][-1 if bm == ROWS else 0]
     return knobs, apply(func, knobs)
 
 
@@ -136,7 +153,7 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     bm, bn, stages = int(knobs["block_m"]), int(knobs["block_n"]), int(knobs["stages"])
     *batch, m, n, k = (int(iv.dom.extent) for iv in block.iter_vars)
     if bm % ROWS or bn % 64 or bn > 256 or m % bm or n % bn or stages < 2 \
-            or stages * _stage_bytes(bm, bn) > matmul.MAX_SHARED:
+            or not _output_bytes(bm, bn) <= stages * _stage_bytes(bm, bn) <= matmul.MAX_SHARED:
         return None
     folded = _epilogue(sch, epilogue, block.writes[0].source)
     if folded is None:
@@ -188,17 +205,22 @@ def _kernel(block, folded, bm, bn, stages, batch, m, n, k) -> tirx.PrimFunc:
         dst = slot * stage_elems + a_elems + col * K_TILE + T.bitwise_xor(piece, col % 8) * 8
         return dst, at(b_load, {**batch_of(bz), col_var: bx * bn + col, k_var: tile * K_TILE + piece * 8})
 
-    def store(tx, bx, by, bz, r, acc):
-        """C's element of accumulator register r: the m64nNk16 layout (each warp 16 rows; a lane
-        4 registers per 8 columns)."""
-        row = by * bm + tx // 32 * 16 + tx % 32 // 4 + 8 * (r // 2 % 2)
-        col = bx * bn + r // 4 * 8 + tx % 4 * 2 + r % 2
-        if out_ivs is None:
-            return out, [tirx.Cast(str(v.ty), x) for v, x in zip(ivs[:-1], [*batch_of(bz).values(), row, col])], acc
-        bindings = dict(zip(out_ivs, [*batch_of(bz).values(), row, col]))
-        bindings = {var: tirx.Cast(str(var.ty), x) for var, x in bindings.items()}
-        return out, list(bindings.values()), _bind(value, {**bindings, placeholder: acc})
+    def in_tile(tx, r):
+        """(row, column) in the block's tile of accumulator register r: the m64nNk16 layout (each
+        warp 16 rows; a lane 4 registers per 8 columns)."""
+        return tx // 32 * 16 + tx % 32 // 4 + 8 * (r // 2 % 2), r // 4 * 8 + tx % 4 * 2 + r % 2
 
+    def indices(bz, row, col):
+        """The output's indices at the matmul's row and column, and their bindings."""
+        bindings = {var: tirx.Cast(str(var.ty), x) for var, x in zip(out_ivs or ivs[:-1], [*batch_of(bz).values(), row, col])}
+        return list(bindings.values()), bindings
+
+    def result(bz, row, col, acc_value):
+        """What the output holds at row, col: the epilogue of the accumulator's value."""
+        return acc_value if out_ivs is None else _bind(value, {**indices(bz, row, col)[1], placeholder: acc_value})
+
+    staged = str(out.dtype) == "float16"  # through shared memory: 16-byte stores, not 2-byte ones
+    row_stride = bn + 8  # padded: the 8 rows a warp writes at once start in different banks
     b_lbo = K_TILE * 128 // 16 if b_n_major else 1  # n-major: from one 64-column atom to the next
     b_step = 16 * 128 if b_n_major else 32  # bytes from one 16-wide step of k to the next
     trans_b = 1 if b_n_major else 0
@@ -247,9 +269,20 @@ def _kernel(block, folded, bm, bn, stages, batch, m, n, k) -> tirx.PrimFunc:
                            T.Or(kt > 0, kk > 0), 1, 1, 0, trans_b)  # scale-d 0 first: D = A * B
             T.ptx["wgmma.commit_group.sync.aligned"]()
             T.ptx["wgmma.wait_group.sync.aligned"](0)  # (keeping one in flight measured no faster)
-        for r in T.unroll(regs):
-            buffer, indices, result = T.meta_var(store(tx, bx, by, bz, r, acc[r]))
-            T.buffer_store(buffer, result, indices)
+        if staged:
+            T.tvm_storage_sync("shared")  # every warpgroup's last wgmma has read its operands
+            for r in T.unroll(regs):
+                row, col = T.meta_var(in_tile(tx, r))
+                smem[row * row_stride + col] = result(bz, by * bm + row, bx * bn + col, acc[r])
+            T.tvm_storage_sync("shared")
+            for i in T.unroll(bm * bn // 8 // threads):
+                for v in T.vectorized(8):
+                    row, col = T.meta_var(((tx + i * threads) // (bn // 8), (tx + i * threads) % (bn // 8) * 8 + v))
+                    T.buffer_store(out, smem[row * row_stride + col], indices(bz, by * bm + row, bx * bn + col)[0])
+        else:
+            for r in T.unroll(regs):
+                row, col = T.meta_var(in_tile(tx, r))
+                T.buffer_store(out, result(bz, by * bm + row, bx * bn + col, acc[r]), indices(bz, by * bm + row, bx * bn + col)[0])
 
     return kernel
 

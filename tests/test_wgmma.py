@@ -35,8 +35,10 @@ def linear_gelu(m, n, k):
 
 
 def test_the_template_takes_fp16_matmuls_of_whole_64_tiles_only():
-    assert [(p["block_m"], p["block_n"]) for p in wgmma_matmul.knob_space(template_func(256, 512, 256))] == \
+    space = wgmma_matmul.knob_space(template_func(256, 512, 256))
+    assert list(dict.fromkeys((p["block_m"], p["block_n"]) for p in space)) == \
         [(128, 256), (128, 128), (64, 256), (64, 128), (64, 64)]
+    assert [p["stages"] for p in space if (p["block_m"], p["block_n"]) == (64, 128)] == [8, 4]  # one block, two per SM
     assert wgmma_matmul.knob_space(template_func(4096, 1000, 1024)) == []  # N not a multiple of 64
     assert wgmma_matmul.knob_space(template_func(16, 4096, 4096)) == []  # fewer rows than a warpgroup's 64
     assert wgmma_matmul.knob_space(template_func(256, 512, 256, "bfloat16")) == []
@@ -54,7 +56,7 @@ def test_a_full_wave_of_blocks_picks_the_tile():
     sm_90a = tvm.target.Target(SM_90A)
     assert dispatch.heuristic_knobs(template_func(4096, 4096, 4096), sm_90a)["block_n"] == 256  # 512 blocks
     small = dispatch.heuristic_knobs(template_func(512, 768, 768), sm_90a)  # BERT's attention projection
-    assert (small["block_m"], small["block_n"]) == (64, 64)  # 96 blocks, the most any tile gives
+    assert (small["block_m"], small["block_n"], small["stages"]) == (64, 64, 7)  # 96 blocks, the most; two per SM
 
 
 @pytest.mark.parametrize("n_major", [True, False])
