@@ -99,19 +99,27 @@ def _stage_bytes(block_m: int, block_n: int) -> int:
     return (block_m + block_n) * K_TILE * 2
 
 
+# (tile, blocks it must give per SM, its most stages or the two-blocks-per-SM count), first fit wins.
+# H200, every point of the space timed (bench/results/h200-2026-11-22-matmul-models.*): two blocks
+# per SM beat one with more stages on every LLaMA and BERT shape; 128 x 256 tiles only win where
+# they give two waves and more (4096^3: 453 TFLOP/s; 128 x 128 with 6 stages gave 395).
+PREFERENCE = [((128, 256), 2, "most"), ((128, 128), 1, "two per SM"), ((64, 128), 1, "two per SM")]
+
+
 def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule] | None:
-    """The largest tile giving about a full wave of blocks (90% of the SMs), else the one giving
-    the most blocks."""
+    """The first tile of PREFERENCE that fits and gives enough blocks, else the fitting tile giving
+    the most blocks (two per SM)."""
     space = knob_space(func)
     if not space:
         return None
     *batch, m, n, _ = _sizes(_fit(func))
-    tiles = list(dict.fromkeys((knobs["block_m"], knobs["block_n"]) for knobs in space))
-    blocks = [math.prod(batch) * m // bm * n // bn for bm, bn in tiles]
-    filled = [tile for tile, count in zip(tiles, blocks) if count >= 0.9 * sm_count]
-    bm, bn = filled[0] if filled else tiles[blocks.index(max(blocks))]
-    # one warpgroup per block: two blocks per SM (fewer stages each); two warpgroups: the most stages
-    knobs = [knobs for knobs in space if (knobs["block_m"], knobs["block_n"]) == (bm, bn)][-1 if bm == ROWS else 0]
+    by_tile: dict = {}
+    for knobs in space:  # each tile's points: most stages first
+        by_tile.setdefault((knobs["block_m"], knobs["block_n"]), []).append(knobs)
+    blocks = {(bm, bn): math.prod(batch) * m // bm * n // bn for bm, bn in by_tile}
+    chosen = next((by_tile[tile][0 if stages == "most" else -1] for tile, waves, stages in PREFERENCE
+                   if tile in by_tile and blocks[tile] >= waves * sm_count), None)
+    knobs = chosen or by_tile[max(blocks, key=blocks.get)][-1]
     return knobs, apply(func, knobs)
 
 
