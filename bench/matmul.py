@@ -24,6 +24,7 @@ import tvm_ext
 from bench.report import write_json_and_markdown
 from bench.spelled import main_module
 from schedules import matmul, wgmma_matmul
+from schedules.device import device_of
 from tvm_ext.tensorize import auto_tensorize
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16, 4096, 4096), (1024, 11008, 4096), (4096, 1000, 1024)]
@@ -99,7 +100,7 @@ def run_shape(m: int, n: int, k: int, target, dtype: str = "float16") -> dict:
     else:
         row["ours_error"] = "no tiling of the template fits this shape" if not tried else "wrong results"
     warpgroup = []
-    for knobs in wgmma_matmul.knob_space(func) if wgmma_matmul.supports(target) else []:
+    for knobs in wgmma_matmul.knob_space(func) if device_of(target).wgmma else []:
         us, err = timed(build(func, knobs, False, target, wgmma_matmul))
         warpgroup.append({"knobs": knobs, "us": us, "err": err})
     good = [t for t in warpgroup if t["err"] < 1e-2]

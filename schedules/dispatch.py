@@ -77,25 +77,26 @@ def _first_applicable(func, pattern, device) -> tuple | None:
     return None
 
 
-def contraction_template(func: tirx.PrimFunc):
-    """The GPU template (module of CONTRACTIONS) that takes `func` whole: the matmul template for a
-    tensor-core matmul, the conv2d template for a direct convolution (with the elementwise work
-    after either); None for anything else. The one place that tells them apart."""
+def contraction_template(func: tirx.PrimFunc, target: Target | None = None):
+    """The GPU template (module of CONTRACTIONS) that takes `func` whole: for a tensor-core matmul
+    the wgmma template where `target` has wgmma (sm_90a) and it fits, else the thread-level matmul
+    template; the conv2d template for a direct convolution (with the elementwise work after
+    either); None for anything else. The one place that tells them apart."""
     if matmul.tensor_core_matmul(func) is not None:
-        return matmul
+        wgmma = target is not None and device_of(target).wgmma and wgmma_matmul.knob_space(func)
+        return wgmma_matmul if wgmma else matmul
     return conv2d if conv2d.convolution(func) is not None else None
 
 
 def _heuristic(func: tirx.PrimFunc, target: Target) -> tuple | None:
-    """(knobs, Schedule) the heuristic picks for `func`: on a GPU, the matmul template's for a
-    tensor-core matmul and the conv2d template's for a convolution; else the first reduce strategy
-    that fits; None when none does."""
+    """(knobs, Schedule) the heuristic picks for `func`: on a GPU, the contraction template's (see
+    contraction_template); else the first reduce strategy that fits; None when none does."""
     device = device_of(target)
-    template = contraction_template(func) if device.is_gpu else None
-    if template is matmul:
-        return (device.wgmma and wgmma_matmul.heuristic(func, device.sm_count)) or matmul.heuristic(func, device.sm_count)
+    template = contraction_template(func, target) if device.is_gpu else None
     if template is conv2d:
         return conv2d.heuristic(func)
+    if template is not None:
+        return template.heuristic(func, device.sm_count)
     pattern = match(func)
     return None if pattern is None else _first_applicable(func, pattern, device)
 
@@ -109,8 +110,8 @@ def heuristic_knobs(func: tirx.PrimFunc, target: Target) -> dict | None:
 
 def schedule(func: tirx.PrimFunc, target: Target, knobs: dict | None = None) -> s_tir.Schedule | None:
     """Schedule `func` with `knobs` (or the heuristic's); None when no strategy of ours fits."""
-    if knobs and knobs.get("strategy") == matmul.NAME and device_of(target).wgmma and wgmma_matmul.knob_space(func):
-        knobs = None  # a record of the thread-level template: on sm_90a the wgmma one beats it (README, Matmul)
+    if knobs and knobs.get("strategy") in CONTRACTIONS and CONTRACTIONS[knobs["strategy"]] is not contraction_template(func, target):
+        knobs = None  # a thread-level matmul record (tuned on sm_90) where sm_90a takes the wgmma template
     if not knobs:
         found = _heuristic(func, target)
         return found[1] if found else None

@@ -87,7 +87,7 @@ def _axes_used(index, block) -> set:
     return set(used)
 
 
-def _part_strides(block) -> list | None:
+def part_strides(block) -> list | None:
     """How far each batch axis moves an operand's k index: [] for a plain (batched) matmul, the
     K/S of a split K's parts (`a[i, p * K/S + k]`), None when not a constant."""
     k, batch = block.iter_vars[-1].var, _batch_axes(block)
@@ -233,7 +233,7 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     row_lengths = [load.source.shape[-1] for load in multiply_accumulate(sch.get(block).body)]
     if any(int(length) % vec for length in row_lengths) or int(sch.get(block).writes[0].source.shape[-1]) % tn:
         return None  # each vector copy (of A, of B, of C's columns) must start 16-byte aligned
-    strides = _part_strides(sch.get(block))
+    strides = part_strides(sch.get(block))
     if strides is None or any(stride % bk for stride in strides):
         return None  # a part of a split K must start at a whole tile of k (aligned copies)
     warps = bm // wm * wn

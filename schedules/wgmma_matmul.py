@@ -42,27 +42,24 @@ ATOM_BYTES = 1024  # 8 rows of 128 bytes: the swizzle pattern repeats at this st
 TILES = [(128, 256), (128, 128), (64, 256), (64, 128), (64, 64)]  # (block_m, block_n), largest first
 
 
-def supports(target) -> bool:
-    """wgmma exists on sm_90a only (the `a` variant of Hopper's architecture)."""
-    return target.kind.name == "cuda" and str(target.attrs.get("arch", "")) == "sm_90a"
-
-
 def _fit(func: tirx.PrimFunc):
-    """(Schedule, matmul block, epilogue blocks) of a matmul this template takes, else None."""
+    """(matmul block, its epilogue folded as `_epilogue` gives it) of a matmul this template
+    takes, else None."""
     found = matmul.contraction(func)
     if found is None:
         return None
-    sch, block_rv, _ = found
+    sch, block_rv, epilogue = found
     block = sch.get(block_rv)
-    a, b = matmul.multiply_accumulate(block.body)
+    a, _ = matmul.multiply_accumulate(block.body)
     extents = [iv.dom.extent for iv in block.iter_vars]
     if str(a.source.dtype) != "float16" or str(block.writes[0].source.dtype) != "float32" \
-            or not all(isinstance(e, tirx.IntImm) for e in extents) or matmul._part_strides(block) != []:
+            or not all(isinstance(e, tirx.IntImm) for e in extents) or matmul.part_strides(block) != []:
         return None
     m, n, k = (int(e) for e in extents[-3:])
     if m % ROWS or n % 64 or k % K_TILE or not matmul.k_is_last(block)[0]:
         return None
-    return found
+    folded = _epilogue(sch, epilogue, block.writes[0].source)
+    return None if folded is None else (block, folded)
 
 
 def knob_space(func: tirx.PrimFunc) -> list[dict]:
@@ -91,8 +88,7 @@ def _output_bytes(block_m: int, block_n: int) -> int:
 
 def _sizes(found) -> list[int]:
     """The matmul block's extents: batch..., m, n, k."""
-    sch, block, _ = found
-    return [int(iv.dom.extent) for iv in sch.get(block).iter_vars]
+    return [int(iv.dom.extent) for iv in found[0].iter_vars]
 
 
 def _stage_bytes(block_m: int, block_n: int) -> int:
@@ -156,18 +152,13 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     found = _fit(func)
     if found is None:
         return None
-    sch, block_rv, epilogue = found
-    block = sch.get(block_rv)
+    block, folded = found
     bm, bn, stages = int(knobs["block_m"]), int(knobs["block_n"]), int(knobs["stages"])
-    *batch, m, n, k = (int(iv.dom.extent) for iv in block.iter_vars)
+    *batch, m, n, k = _sizes(found)
     if bm % ROWS or bn % 64 or bn > 256 or m % bm or n % bn or stages < 2 \
             or not _output_bytes(bm, bn) <= stages * _stage_bytes(bm, bn) <= matmul.MAX_SHARED:
         return None
-    folded = _epilogue(sch, epilogue, block.writes[0].source)
-    if folded is None:
-        return None
-    kernel = _kernel(block, folded, bm, bn, stages, batch, m, n, k)
-    return s_tir.Schedule(func.with_body(kernel.body))
+    return s_tir.Schedule(func.with_body(_kernel(block, folded, bm, bn, stages, batch, m, n, k).body))
 
 
 def _kernel(block, folded, bm, bn, stages, batch, m, n, k) -> tirx.PrimFunc:
@@ -186,15 +177,15 @@ def _kernel(block, folded, bm, bn, stages, batch, m, n, k) -> tirx.PrimFunc:
 
     def at(load, bindings):
         """The element of `load`'s buffer at the matmul's iterators bound to `bindings`."""
-        values = {var: tirx.Cast(str(var.ty), value) for var, value in bindings.items()}
-        return T.address_of(load.source[tuple(_bind(index, values) for index in load.indices)])
+        typed = {var: tirx.Cast(str(var.ty), x) for var, x in bindings.items()}
+        return T.address_of(load.source[tuple(_bind(index, typed) for index in load.indices)])
 
     def batch_of(z):
         """The batch iterators of flat batch index z (blockIdx.z)."""
-        out_, rest = {}, z
+        found, rest = {}, z
         for var, extent in reversed(list(zip(batch_vars, batch))):
-            out_[var], rest = rest % extent, rest // extent
-        return out_
+            found[var], rest = rest % extent, rest // extent
+        return found
 
     def copy_a(slot, tile, tx, by, bz, i):
         chunk = tx + i * threads

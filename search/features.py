@@ -14,7 +14,7 @@ import tvm
 from tvm import tirx
 from tvm.target import Target
 
-from schedules import conv2d, matmul
+from schedules import conv2d, matmul, wgmma_matmul
 from schedules.analysis import ReducePattern, const_int, match
 from schedules.device import Device, device_of
 from schedules.dispatch import STRATEGIES
@@ -92,6 +92,25 @@ def matmul_features(block, knobs: dict, epilogue: bool, device: Device) -> np.nd
     return np.asarray(values, dtype="float32")
 
 
+def wgmma_features(block, knobs: dict, epilogue: bool, device: Device) -> np.ndarray:
+    """The same quantities for a wgmma matmul candidate (columns of the thread-level template's):
+    a warpgroup per 64 rows, 64 of k per stage, a warp's tile 16 rows by block_n."""
+    *batch, m, n, k = (int(iv.dom.extent) for iv in block.iter_vars)
+    bm, bn, stages = (int(knobs[x]) for x in ("block_m", "block_n", "stages"))
+    outputs, threads = math.prod(batch) * m * n, bm // wgmma_matmul.ROWS * wgmma_matmul.WARPGROUP
+    blocks = outputs // (bm * bn)
+    smem = stages * (bm + bn) * wgmma_matmul.K_TILE * 2
+    resident = device.resident_blocks(threads, min(255, 40 + bn // 2), smem)  # bn / 2 fp32 accumulators
+    slots = max(1, device.sm_count * resident)
+    waves = blocks / slots
+    values = [0.0] * len(STRATEGIES) + [1.0, 0.0] + [
+        math.log2(k), math.log2(outputs), math.log2(math.prod(batch) * (m * k + k * n) * 2 + outputs * 4), 1,
+        float(epilogue), 0.0, threads, math.log2(blocks), waves, blocks / (math.ceil(waves) * slots),
+        threads * resident / device.threads_per_sm, math.log2(bm * bn * 4 / threads), 16,
+        1.0, smem, 0.0, math.log2(wgmma_matmul.K_TILE), stages, math.log2(16 * bn)]
+    return np.asarray(values, dtype="float32")
+
+
 def conv2d_features(block, knobs: dict, epilogue: bool, device: Device) -> np.ndarray:
     """The same quantities for a direct-convolution candidate: each output reduces C x R x S
     products; the stage is a step's input window and weights; lanes per row, the threads along a
@@ -120,9 +139,10 @@ def candidate_features(func: tirx.PrimFunc, points: list[dict], target: Target) 
     if not points:
         return np.zeros((0, len(NAMES)))
     device = device_of(target)
-    if points[0]["strategy"] == matmul.NAME:
+    if points[0]["strategy"] in (matmul.NAME, wgmma_matmul.NAME):
         sch, block, epilogue = matmul.contraction(func)
-        return np.stack([matmul_features(sch.get(block), knobs, bool(epilogue), device) for knobs in points])
+        featurize = wgmma_features if points[0]["strategy"] == wgmma_matmul.NAME else matmul_features
+        return np.stack([featurize(sch.get(block), knobs, bool(epilogue), device) for knobs in points])
     if points[0]["strategy"] == conv2d.NAME:
         sch, _, block, epilogue = conv2d.convolution(func)
         return np.stack([conv2d_features(sch.get(block), knobs, bool(epilogue), device) for knobs in points])

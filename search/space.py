@@ -20,8 +20,8 @@ def knob_space(func: tirx.PrimFunc, target: Target) -> list[dict]:
     """The points of every strategy that fits `func` on `target`, in the heuristic's strategy order,
     the heuristic's own point first (the tuner's first batch then holds what an untuned build runs)."""
     device = device_of(target)
-    template = contraction_template(func) if device.is_gpu else None
-    if template is not None:  # the matmul or conv2d template's tilings that fit
+    template = contraction_template(func, target) if device.is_gpu else None
+    if template is not None:  # the matmul (thread-level or wgmma) or conv2d template's points that fit
         points = template.knob_space(func)
     else:
         pattern = match(func)

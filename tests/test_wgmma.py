@@ -117,3 +117,18 @@ def test_linear_gelu_through_the_pipeline_on_gpu(rng):
     y = (x.astype("float32") @ w.astype("float32").T).astype("float16").astype("float32") + bias.astype("float32")
     want = 0.5 * y * (1 + np.vectorize(__import__("math").erf)(y / np.sqrt(2)))
     np.testing.assert_allclose(got.astype("float32"), want, atol=2e-2, rtol=2e-2)
+
+
+def test_on_sm_90a_the_tuner_searches_the_wgmma_points_and_records_of_the_other_template_give_way():
+    from search.features import NAMES, candidate_features  # noqa: PLC0415
+    from search.space import knob_space  # noqa: PLC0415
+
+    func, sm_90a = template_func(2048, 1024, 512), tvm.target.Target(SM_90A)
+    points = knob_space(func, sm_90a)
+    assert {p["strategy"] for p in points} == {"wgmma_matmul"} and points[0] == dispatch.heuristic_knobs(func, sm_90a)
+    column = dict(zip(NAMES, candidate_features(func, points, sm_90a).T))
+    assert (column["is_matmul"] == 1).all() and set(column["pipeline_stages"]) == {p["stages"] for p in points}
+    thread_level = {**__import__("schedules").matmul.default_knobs()}
+    assert dispatch.schedule(func, sm_90a, thread_level).mod["main"].script().count("wgmma") > 0  # an sm_90 record
+    assert "wgmma" not in dispatch.schedule(func, tvm.target.Target({"kind": "cuda", "arch": "sm_90"}),
+                                            points[0]).mod["main"].script()  # and the other way round

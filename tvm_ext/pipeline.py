@@ -8,7 +8,7 @@ FoldConstant -> FuseOps -> ours (reduce_fusion.py) -> FuseTIR -> leave dataflow 
 schedules for every fused PrimFunc with a reduction (several kernels and a run-time `if` where dims
 are symbolic; zero-filled state inputs for grid reductions) -> the matmul template for fp16/int8
 matmuls and the conv2d template for convolutions, with their epilogues (GPU; tensor cores come from
-the AutoTensorize TIR pass) -> TVM's dlight
+the AutoTensorize TIR pass; on sm_90a fp16 matmuls take the wgmma template, which writes them itself) -> TVM's dlight
 rules for the rest (GPU; elementwise functions read along their innermost axis get vector accesses,
 schedules/elementwise.py, before dlight's fallback)
 -> int32 indices where safe, int32/int64 twins where shapes are symbolic (narrowing.py) ->
