@@ -57,6 +57,7 @@ def test_a_full_wave_of_blocks_picks_the_tile():
     assert dispatch.heuristic_knobs(template_func(4096, 4096, 4096), sm_90a)["block_n"] == 256  # 512 blocks
     small = dispatch.heuristic_knobs(template_func(512, 768, 768), sm_90a)  # BERT's attention projection
     assert (small["block_m"], small["block_n"], small["stages"]) == (64, 64, 7)  # 96 blocks, the most; two per SM
+    assert small["group"] == 8  # 8 rows of tiles: blocks walk down 8 of them per column of tiles
 
 
 @pytest.mark.parametrize("n_major", [True, False])
@@ -87,19 +88,33 @@ def test_the_epilogue_is_computed_on_the_accumulators():
     assert "float* __restrict__" not in src.split("main_kernel(")[1].split(")")[0]  # no fp32 intermediate
 
 
+def batched(batch, m, n, k):
+    """C[b] = A[b] @ B: a batch of A against one B (a linear layer on [batch, seq, hidden])."""
+    a, b = te.placeholder((batch, m, k), "float16", name="a"), te.placeholder((k, n), "float16", name="b")
+    r = te.reduce_axis((0, k), name="k")
+    return te.create_prim_func([a, b, te.compute(
+        (batch, m, n), lambda z, i, j: te.sum(a[z, i, r].astype("float32") * b[r, j].astype("float32"), axis=r), name="c")])
+
+
+def test_a_batch_is_blockidx_z_and_the_tiles_walk_in_groups_of_rows():
+    src = cuda_source(wgmma_matmul.apply(batched(3, 512, 256, 128), {"block_m": 64, "block_n": 128, "stages": 4,
+                                                                        "group": 4}).mod["main"])
+    assert "blockIdx.z" in src and "blockIdx.y" not in src  # the tiles of one matrix: one blockIdx.x
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(256, 512, 256), (128, 256, 64), (1024, 11008, 4096)])
+@pytest.mark.parametrize("shape", [(256, 512, 256), (128, 256, 64), (1024, 11008, 4096), (3, 512, 256, 128)])
 def test_wgmma_matmul_on_gpu(shape, rng):
-    m, n, k = shape
-    func = template_func(m, n, k)
-    a = rng.standard_normal((m, k)).astype("float16")
+    *batch, m, n, k = shape
+    func = batched(*shape) if batch else template_func(m, n, k)
+    a = rng.standard_normal((*batch, m, k)).astype("float16")
     b = rng.standard_normal((k, n)).astype("float16")
     want = a.astype("float64") @ b.astype("float64")
     for knobs in wgmma_matmul.knob_space(func):
         lib = tvm.compile(tvm.IRModule({"main": wgmma_matmul.apply(func, knobs).mod["main"].with_attr("global_symbol", "main")}),
                           target=tvm.target.Target(SM_90A))
         dev = tvm.cuda()
-        c = tvm.runtime.tensor(np.full((m, n), np.nan, "float32"), dev)
+        c = tvm.runtime.tensor(np.full(want.shape, np.nan, "float32"), dev)
         lib["main"](tvm.runtime.tensor(a, dev), tvm.runtime.tensor(b, dev), c)
         err = np.abs(c.numpy() - want).max() / np.abs(want).max()
         assert err < 1e-3, (knobs, err)
