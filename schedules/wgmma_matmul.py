@@ -253,8 +253,8 @@ def _kernel(block, folded, bm, bn, stages, group, batch, m, n, k) -> tirx.PrimFu
         acc = T.alloc_buffer((regs,), "float32", scope="local")
         desc_a = T.alloc_buffer((1,), "uint64", scope="local")
         desc_b = T.alloc_buffer((1,), "uint64", scope="local")
-        for r in T.unroll(regs):  # zeroed here, not by scale-d 0 on the first step: +3-6% with 128 x 256
-            acc[r] = T.float32(0)  # tiles (bench/results/h200-2026-11-22-wgmma-zero-init.json), the same elsewhere
+        for r in T.unroll(regs):  # zeroed here rather than by scale-d 0 on the first step: +3-6% in the
+            acc[r] = T.float32(0)  # prototype with 128 x 256 tiles (-wgmma-zero-init.json), within 1% here
         T.evaluate(T.cuda.wgmma.encode_matrix_descriptor(
             T.address_of(desc_a[0]), T.address_of(smem[tx // WARPGROUP * ROWS * K_TILE]), 1, ATOM_BYTES // 16, SWIZZLE_128B))
         T.evaluate(T.cuda.wgmma.encode_matrix_descriptor(
