@@ -1,8 +1,9 @@
 """Knobs in, Schedule out: pick a strategy for a fused reduce PrimFunc.
 
-With knobs from a tuning record the named strategy is applied as recorded; without, each
-strategy in turn may propose heuristic knobs for the pattern; the first proposal that its
-strategy also applies wins. A strategy that does not fit returns None, like TVM's dlight
+With knobs from a tuning record the named strategy is applied as recorded (a record of a
+contraction template the target does not pick, such as a thread-level matmul record on sm_90a,
+gives way to the heuristic); without, each strategy in turn may propose heuristic knobs for the
+pattern; the first proposal that its strategy also applies wins. A strategy that does not fit returns None, like TVM's dlight
 rules, and when none fits the caller falls back to TVM.
 """
 
