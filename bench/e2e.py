@@ -24,6 +24,7 @@ import tvm  # import TVM before torch (see the field guide)
 import tvm_ext
 from tvm import relax
 from tvm_ext.legalize import legalize_full
+from tvm_ext.target import without_arch_specific
 
 import torch  # noqa: E402  pylint: disable=wrong-import-order
 
@@ -74,7 +75,7 @@ def run_model(name: str, database: str | None, log) -> dict:
         ref = module(x)
         target = tvm_ext.parse_target("cuda")
         # TVM's default on the plain arch: on sm_90a its dlight rules leave the tensor cores out
-        plain = tvm.target.Target({**target.export(), "arch": str(target.attrs["arch"]).removesuffix("a")}, host=target.host)
+        plain = without_arch_specific(target)
         impls, built, result = {"torch_eager": module}, {}, {"model": name, "shape": list(x.shape),
                                                              "dtype": str(x.dtype), "impls": {}}
         ours = {"ours": lambda: tvm_ext.build(mod, target, database=database)}

@@ -221,3 +221,15 @@ def match(func: tirx.PrimFunc) -> ReducePattern | None:
         row_count=_product(dom[:num_spatial]) if num_spatial else tirx.const(1, "int64"),
         reduce_extent=_product(dom[num_spatial:]),
     )
+
+
+def substitute(expr, bindings: dict):
+    """`expr` with the tirx.Vars of `bindings` replaced by their values."""
+
+    def replace(var):
+        for key, value in bindings.items():
+            if key.same_as(var):
+                return value
+        return var
+
+    return tvm_ffi.structural_map(expr, (tirx.Var, replace))

@@ -34,6 +34,7 @@ from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 from tvm.script import tirx as T
 
 from . import matmul
+from .analysis import substitute
 
 NAME = "wgmma_matmul"
 ROWS = 64  # of one warpgroup's m64nNk16
@@ -41,6 +42,7 @@ K_TILE = 64  # k per stage: one 128-byte swizzled row of fp16
 WARPGROUP = 128
 SWIZZLE_128B = 3  # the descriptor helper's code for 128-byte swizzling
 ATOM_BYTES = 1024  # 8 rows of 128 bytes: the swizzle pattern repeats at this stride
+OUTPUT_PAD = 8  # fp16 elements after each staged output row: the 8 rows a warp writes at once start in different banks
 TILES = [(128, 256), (128, 128), (64, 256), (64, 128), (64, 64)]  # (block_m, block_n), largest first
 
 
@@ -67,7 +69,11 @@ def _fit(func: tirx.PrimFunc):
 def knob_space(func: tirx.PrimFunc) -> list[dict]:
     """Every tile that divides the matmul, each with as many stages as shared memory holds (up to
     8) and with as many as leave room for a second block on the SM."""
-    found = _fit(func)
+    return _points(_fit(func))
+
+
+def _points(found) -> list[dict]:
+    """knob_space of a matmul `_fit` took (none for None)."""
     if found is None:
         return []
     *_, m, n, _ = _sizes(found)
@@ -86,13 +92,14 @@ def _stage_counts(block_m: int, block_n: int) -> list[int]:
     """The most stages one block may have (at most 8), then the most that let two blocks share an
     SM (the driver keeps 1 KB per block); counts too small to pipeline or to hold the output tile
     (staged through the same memory) dropped."""
-    stage = _stage_bytes(block_m, block_n)
+    stage = stage_bytes(block_m, block_n)
     counts = [min(8, matmul.MAX_SHARED // stage), (matmul.MAX_SHARED // 2 - 1024) // stage]
     return sorted({c for c in counts if c >= 2 and c * stage >= _output_bytes(block_m, block_n)}, reverse=True)
 
 
 def _output_bytes(block_m: int, block_n: int) -> int:
-    return block_m * (block_n + 8) * 2  # fp16 rows padded by 8
+    """Shared memory of the staged fp16 output tile."""
+    return block_m * (block_n + OUTPUT_PAD) * 2
 
 
 def _sizes(found) -> list[int]:
@@ -100,7 +107,8 @@ def _sizes(found) -> list[int]:
     return [int(iv.dom.extent) for iv in found[0].iter_vars]
 
 
-def _stage_bytes(block_m: int, block_n: int) -> int:
+def stage_bytes(block_m: int, block_n: int) -> int:
+    """Shared memory of one stage: A's and B's 64-k fp16 tiles."""
     return (block_m + block_n) * K_TILE * 2
 
 
@@ -114,10 +122,11 @@ PREFERENCE = [((128, 256), 2, "most"), ((128, 128), 1, "two per SM"), ((64, 128)
 def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule] | None:
     """The first tile of PREFERENCE that fits and gives enough blocks, else the fitting tile giving
     the most blocks (two per SM)."""
-    space = knob_space(func)
+    found = _fit(func)
+    space = _points(found)
     if not space:
         return None
-    *batch, m, n, _ = _sizes(_fit(func))
+    *batch, m, n, _ = _sizes(found)
     by_tile: dict = {}
     for knobs in space:  # each tile's points: most stages first
         by_tile.setdefault((knobs["block_m"], knobs["block_n"]), []).append(knobs)
@@ -125,7 +134,7 @@ def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule]
     chosen = next((by_tile[tile][0 if stages == "most" else -1] for tile, waves, stages in PREFERENCE
                    if tile in by_tile and blocks[tile] >= waves * sm_count), None)
     knobs = chosen or by_tile[max(blocks, key=blocks.get)][-1]
-    return knobs, apply(func, knobs)
+    return knobs, _apply(func, found, knobs)
 
 
 def _epilogue(sch, epilogue: list, accumulator: tirx.Buffer):
@@ -158,14 +167,18 @@ def _epilogue(sch, epilogue: list, accumulator: tirx.Buffer):
 def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     """The wgmma kernel for `func` with `knobs` (block_m, block_n, stages), as a Schedule of the
     finished loop nest (nothing is left to schedule); None when it does not fit."""
-    found = _fit(func)
+    return _apply(func, _fit(func), knobs)
+
+
+def _apply(func: tirx.PrimFunc, found, knobs: dict) -> s_tir.Schedule | None:
+    """apply, on what `_fit` found in `func`."""
     if found is None:
         return None
     block, folded = found
     bm, bn, stages, group = (int(knobs.get(x, 0)) for x in ("block_m", "block_n", "stages", "group"))
     *batch, m, n, k = _sizes(found)
     if bm % ROWS or bn % 64 or bn > 256 or m % bm or n % bn or stages < 2 or group and m // bm % group \
-            or not _output_bytes(bm, bn) <= stages * _stage_bytes(bm, bn) <= matmul.MAX_SHARED:
+            or not _output_bytes(bm, bn) <= stages * stage_bytes(bm, bn) <= matmul.MAX_SHARED:
         return None
     return s_tir.Schedule(func.with_body(_kernel(block, folded, bm, bn, stages, group, batch, m, n, k).body))
 
@@ -187,7 +200,7 @@ def _kernel(block, folded, bm, bn, stages, group, batch, m, n, k) -> tirx.PrimFu
     def at(load, bindings):
         """The element of `load`'s buffer at the matmul's iterators bound to `bindings`."""
         typed = {var: tirx.Cast(str(var.ty), x) for var, x in bindings.items()}
-        return T.address_of(load.source[tuple(_bind(index, typed) for index in load.indices)])
+        return T.address_of(load.source[tuple(substitute(index, typed) for index in load.indices)])
 
     def batch_of(z):
         """The batch iterators of flat batch index z (blockIdx.z)."""
@@ -225,10 +238,10 @@ def _kernel(block, folded, bm, bn, stages, group, batch, m, n, k) -> tirx.PrimFu
 
     def result(bz, row, col, acc_value):
         """What the output holds at row, col: the epilogue of the accumulator's value."""
-        return acc_value if out_ivs is None else _bind(value, {**indices(bz, row, col)[1], placeholder: acc_value})
+        return acc_value if out_ivs is None else substitute(value, {**indices(bz, row, col)[1], placeholder: acc_value})
 
     staged = str(out.dtype) == "float16"  # through shared memory: 16-byte stores, not 2-byte ones
-    row_stride = bn + 8  # padded: the 8 rows a warp writes at once start in different banks
+    row_stride = bn + OUTPUT_PAD
     def raster(tile):
         """(column, row) of C's tile for block `tile`: with `group`, consecutive blocks walk down
         `group` rows of tiles before the next column (they share B's columns while in L2)."""
@@ -304,10 +317,3 @@ def _kernel(block, folded, bm, bn, stages, group, batch, m, n, k) -> tirx.PrimFu
 
     return kernel
 
-
-def _bind(expr, bindings: dict):
-    """`expr` with the Vars of `bindings` replaced."""
-    def replace(var):
-        return next((value for key, value in bindings.items() if key.same_as(var)), var)
-
-    return tvm_ffi.structural_map(expr, (tirx.Var, replace))

@@ -99,7 +99,7 @@ def wgmma_features(block, knobs: dict, epilogue: bool, device: Device) -> np.nda
     bm, bn, stages = (int(knobs[x]) for x in ("block_m", "block_n", "stages"))
     outputs, threads = math.prod(batch) * m * n, bm // wgmma_matmul.ROWS * wgmma_matmul.WARPGROUP
     blocks = outputs // (bm * bn)
-    smem = stages * (bm + bn) * wgmma_matmul.K_TILE * 2
+    smem = stages * wgmma_matmul.stage_bytes(bm, bn)
     resident = device.resident_blocks(threads, min(255, 40 + bn // 2), smem)  # bn / 2 fp32 accumulators
     slots = max(1, device.sm_count * resident)
     waves = blocks / slots

@@ -1,6 +1,8 @@
 """The warpgroup (wgmma) matmul template: which matmuls it takes, the CUDA it writes, and (GPU) its
 numbers, alone and with the epilogue FuseOps puts after a matmul."""
 
+import math
+
 import numpy as np
 import pytest
 import tvm
@@ -10,7 +12,7 @@ from tvm.runtime.vm import VirtualMachine
 import tvm_ext
 from bench.matmul import template_func
 from bench.spelled import main_module
-from schedules import dispatch, wgmma_matmul
+from schedules import dispatch, matmul, wgmma_matmul
 from tvm_ext.introspect import cuda_source as cuda_source_of
 from tvm_ext.pipeline import fused_module
 
@@ -130,7 +132,7 @@ def test_linear_gelu_through_the_pipeline_on_gpu(rng):
     dev = tvm.cuda()
     got = VirtualMachine(executable, dev)["main"](*[tvm.runtime.tensor(v, dev) for v in (x, w, bias)]).numpy()
     y = (x.astype("float32") @ w.astype("float32").T).astype("float16").astype("float32") + bias.astype("float32")
-    want = 0.5 * y * (1 + np.vectorize(__import__("math").erf)(y / np.sqrt(2)))
+    want = 0.5 * y * (1 + np.vectorize(math.erf)(y / np.sqrt(2)))
     np.testing.assert_allclose(got.astype("float32"), want, atol=2e-2, rtol=2e-2)
 
 
@@ -143,7 +145,6 @@ def test_on_sm_90a_the_tuner_searches_the_wgmma_points_and_records_of_the_other_
     assert {p["strategy"] for p in points} == {"wgmma_matmul"} and points[0] == dispatch.heuristic_knobs(func, sm_90a)
     column = dict(zip(NAMES, candidate_features(func, points, sm_90a).T))
     assert (column["is_matmul"] == 1).all() and set(column["pipeline_stages"]) == {p["stages"] for p in points}
-    thread_level = {**__import__("schedules").matmul.default_knobs()}
-    assert dispatch.schedule(func, sm_90a, thread_level).mod["main"].script().count("wgmma") > 0  # an sm_90 record
+    assert dispatch.schedule(func, sm_90a, matmul.default_knobs()).mod["main"].script().count("wgmma") > 0  # an sm_90 record
     assert "wgmma" not in dispatch.schedule(func, tvm.target.Target({"kind": "cuda", "arch": "sm_90"}),
                                             points[0]).mod["main"].script()  # and the other way round

@@ -30,9 +30,8 @@ import tvm
 import tvm_ffi
 from tvm import relax, tirx
 
-from schedules.analysis import is_reduce_subgraph
+from schedules.analysis import is_reduce_subgraph, substitute
 
-from .variants import substitute
 
 CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 TOPK = tvm.ir.Op.get("relax.topk")

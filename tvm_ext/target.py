@@ -49,3 +49,10 @@ def parse_target(target) -> Target:
         except Exception as err:  # TVM's message is a C++ trace; lead with what was passed
             raise ValueError(f"invalid target {target!r}: {str(err).splitlines()[-1]}") from None
     raise ValueError(f"unsupported target {target!r} of type {type(target).__name__}: expected {ACCEPTED}")
+
+
+def without_arch_specific(target: Target) -> Target:
+    """`target` on its architecture's portable variant (sm_90a -> sm_90): where TVM's own rules are
+    compared (on sm_90a dlight leaves the tensor cores out) or our pipeline without wgmma."""
+    arch = str(target.attrs["arch"]).removesuffix("a")
+    return Target({**target.export(), "arch": arch}, host=target.host)

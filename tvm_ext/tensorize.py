@@ -41,10 +41,10 @@ from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 from tvm.s_tir.stmt import SBlock, SBlockRealize
 
+from schedules.analysis import substitute
 from schedules.matmul import TENSOR_CORE_DTYPES, WARP, multiply_accumulate
 
 from .intrinsics import import_tensor_intrinsics
-from .variants import substitute
 
 LOG = logging.getLogger(__name__)
 TILE = 16  # m = n = k of the wmma shape matched

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 import tvm
-import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from schedules.analysis import substitute
 from schedules.grid_reduce import ZEROED_INPUTS
 
 CALL_TIR = tvm.ir.Op.get("relax.call_tir")
@@ -42,18 +42,6 @@ def _shape_bindings(func: tirx.PrimFunc, call: relax.Call) -> dict:
             if isinstance(dim, tirx.Var):
                 bindings[dim] = value
     return bindings
-
-
-def substitute(expr, bindings: dict):
-    """`expr` with the tirx.Vars of `bindings` replaced by their values."""
-
-    def replace(var):
-        for key, value in bindings.items():
-            if key.same_as(var):
-                return value
-        return var
-
-    return tvm_ffi.structural_map(expr, (tirx.Var, replace))
 
 
 @mutator
