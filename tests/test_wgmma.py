@@ -46,6 +46,7 @@ def test_the_template_takes_fp16_matmuls_of_whole_64_tiles_only():
     assert wgmma_matmul.knob_space(template_func(256, 512, 256, "bfloat16")) == []
     assert wgmma_matmul.knob_space(template_func(256, 512, 256, "int8", "int32")) == []
     assert wgmma_matmul.apply(template_func(256, 512, 256), {"block_m": 128, "block_n": 256, "stages": 5}) is None  # 240 KB
+    assert wgmma_matmul.apply(template_func(256, 512, 256), {"block_m": 64, "block_n": 64, "stages": 2}) is None  # none ahead
 
 
 def test_only_sm_90a_targets_get_it():
@@ -58,7 +59,7 @@ def test_a_full_wave_of_blocks_picks_the_tile():
     sm_90a = tvm.target.Target(SM_90A)
     assert dispatch.heuristic_knobs(template_func(4096, 4096, 4096), sm_90a)["block_n"] == 256  # 512 blocks
     small = dispatch.heuristic_knobs(template_func(512, 768, 768), sm_90a)  # BERT's attention projection
-    assert (small["block_m"], small["block_n"], small["stages"]) == (64, 64, 7)  # 96 blocks, the most; two per SM
+    assert (small["block_m"], small["block_n"], small["stages"]) == (64, 64, 8)  # 96 blocks, the most; most stages
     assert small["group"] == 8  # 8 rows of tiles: blocks walk down 8 of them per column of tiles
 
 
@@ -74,7 +75,8 @@ def test_the_cuda_is_warpgroup_mma_from_swizzled_shared_memory(n_major):
     assert src.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16") == 1  # one helper ...
     assert src.count("_m64n128k16_f32_f16_f16_1_1_0_" + ("1(" if n_major else "0(")) == 5  # ... defined, called 4x
     for needed in ("wgmma.fence.sync.aligned", "wgmma.commit_group", "wgmma.wait_group.sync.aligned 0",
-                   "fence.proxy.async.shared::cta", "cp.async.cg.shared.global", "cp.async.wait_group 2"):
+                   "wgmma.wait_group.sync.aligned 1",  # one step in flight, 4 - 2 tiles copied ahead:
+                   "fence.proxy.async.shared::cta", "cp.async.cg.shared.global", "cp.async.wait_group 1"):
         assert needed in src, needed
     assert "& 7) ^ " in src  # the 128-byte swizzle: a 16-byte chunk's index XOR its row's
     assert "__launch_bounds__(256)" in src  # two warpgroups for 128 rows
