@@ -34,6 +34,7 @@ from schedules.elementwise import Elementwise
 from schedules.grid_reduce import ZEROED_INPUTS
 
 from . import welford
+from .attention import fuse_attention
 from .half_math import half_math_in_float
 from .legalize import legalizations
 from .narrowing import OURS, narrow_indices
@@ -139,7 +140,7 @@ def fused_passes(target, **options) -> list:
     statistics = [welford.pair_mean_with_variance] if variance == "welford" else []
     device = device_of(target)
     split_k = {"relax.matmul": split_k_legalization(device.sm_count)} if device.is_gpu else {}
-    return [max_from_top_one, half_math_in_float] + relax.pipeline.library_dispatch_passes(target) + statistics + [
+    return [fuse_attention, max_from_top_one, half_math_in_float] + relax.pipeline.library_dispatch_passes(target) + statistics + [
         read_transposed_operand,
         activation_before_reshape,
         relax.transform.LegalizeOps(customize_legalize_map={**legalizations(variance), **split_k}),
