@@ -7,15 +7,14 @@ query rows and walks the keys `block_n` at a time (the online softmax of FlashAt
 scores of one key tile live in registers, their exponentials go to shared memory as the A operand
 of the P V multiply, and the running maximum and sum rescale the output accumulators.
 
-Per key tile: cp.async brings the next K^T and V tiles while the tensor cores work on this one;
+Per key tile: cp.async brings the next K and V tiles while the tensor cores work on this one;
 one `m64n{block_n}k16` per 16 of the head dim gives S; the row maxima and sums cross the four
 lanes that share a row by warp shuffles; one `m64n{dim}k16` per 16 keys adds P V. Shared tiles
-use the 128-byte swizzled layouts of schedules/wgmma_matmul.py: Q and P as rows of 64 (k-major A),
-K^T ([dim, keys]) and V ([keys, dim]) as n-major B in 64-column atoms.
+use the 128-byte swizzled layouts of schedules/wgmma_matmul.py: Q, K and P as k-major rows of 64,
+V ([keys, dim]) as an n-major B in 64-column atoms.
 
-Inputs as the frontend leaves them before the score matmul: Q [batch, seq, dim], K^T [batch,
-dim, seq], V [batch, seq, dim], fp16; output [batch, seq, dim] fp16. Head dims 64 and 128,
-sequences a multiple of the tiles, static sizes.
+Inputs: Q [batch, seq, dim], K [batch, seq, dim], V [batch, seq, dim], fp16; output [batch, seq,
+dim] fp16. Head dims 64 and 128, sequences a multiple of the tiles, static sizes.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ def fits(batch: int, seq_q: int, seq_kv: int, dim: int, causal: bool, warpgroups
 
 def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: bool,
            warpgroups: int = 1, block_n: int = 64) -> tirx.PrimFunc:
-    """The attention PrimFunc (q, kt, v, out) for these sizes; `scale` multiplies the scores.
+    """The attention PrimFunc (q, k, v, out) for these sizes; `scale` multiplies the scores.
     Defaults: one warpgroup per block, 64-key tiles, the fastest on every shape timed on an H200
     (BERT 96 x 512 x 64, LLaMA 32 x 512/2048 x 128 causal; 2 warpgroups or 128 keys were 5-20%
     slower: bench/results/h200-2026-11-22-s11-in-flight-and-attention.json)."""
@@ -50,11 +49,10 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
         raise ValueError(f"attention kernel does not take batch={batch} seq={seq_q}x{seq_kv} dim={dim} "
                          f"causal={causal} with {warpgroups} warpgroups and {block_n}-key tiles")
     bm, threads = warpgroups * ROWS, warpgroups * WARPGROUP
-    q_elems, p_elems = bm * dim, bm * block_n
-    kt_elems = v_elems = dim * block_n
-    stage_elems = kt_elems + v_elems
+    q_elems, p_elems, kv_elems = bm * dim, bm * block_n, block_n * dim
     p_base = q_elems
-    kv_base = p_base + p_elems
+    k_base = p_base + p_elems  # then 2 stages of (K tile, V tile)
+    stage_elems = 2 * kv_elems
     s_regs, o_regs = block_n // 2, dim // 2
     q_tiles, kv_tiles = seq_q // bm, seq_kv // block_n
     scale_log2 = float(scale) * LOG2E
@@ -62,13 +60,26 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
     o_mma = f"wgmma.mma_async.sync.aligned.m64n{dim}k16.f32.f16.f16"
     full = 0xFFFFFFFF
 
-    def k_major(row, col, rows):
-        """Offset of (row, col) in a k-major tile of `rows` rows: 64-column chunks, each swizzled rows."""
+    def swizzled(row, col, rows):
+        """Offset of (row, col) in a tile of `rows` rows kept as 64-column chunks of 128-byte
+        swizzled rows: the k-major layout of Q, K and P, and V's n-major one (64-column atoms)."""
         return col // ATOM_COLS * (rows * ATOM_COLS) + row * ATOM_COLS + T.bitwise_xor(col % ATOM_COLS // 8, row % 8) * 8 + col % 8
 
-    def n_major(krow, col, krows):
-        """Offset of (krow, col) in an n-major tile of `krows` rows: 64-column atoms of swizzled rows."""
-        return col // ATOM_COLS * (krows * ATOM_COLS) + krow * ATOM_COLS + T.bitwise_xor(col % ATOM_COLS // 8, krow % 8) * 8 + col % 8
+    def piece(tx, i):
+        """(row, column) of the i-th 16-byte copy of thread tx in a tile `dim` wide."""
+        return (tx + i * threads) // (dim // 8), (tx + i * threads) % (dim // 8) * 8
+
+    def kv_copies(k, v, tx, i, tile, bz):
+        """Shared offset and global address of thread tx's i-th 16-byte copy of key tile `tile` of
+        K, then of V, into the stage tile % 2."""
+        row, col = piece(tx, i)
+        stage = k_base + tile % 2 * stage_elems
+        return (stage + swizzled(row, col, block_n), T.address_of(k[bz, tile * block_n + row, col]),
+                stage + kv_elems + swizzled(row, col, block_n), T.address_of(v[bz, tile * block_n + row, col]))
+
+    def k_step(kk, rows):
+        """Descriptor offset (16-byte units) of the kk-th 16-wide k step of a k-major tile."""
+        return T.uint64((kk // 4 * rows * ATOM_COLS * 2 + kk % 4 * 32) // 16)
 
     def in_tile(tx, r):
         """(row, column) of accumulator register r in the block's tile (m64nNk16 layout)."""
@@ -79,13 +90,13 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
         return T.tvm_warp_shuffle_xor(full, x, lane_mask, 32, 32)
 
     @T.prim_func(check_well_formed=False)
-    def attention(q: T.Buffer((batch, seq_q, dim), "float16"), kt: T.Buffer((batch, dim, seq_kv), "float16"),
+    def attention(q: T.Buffer((batch, seq_q, dim), "float16"), k: T.Buffer((batch, seq_kv, dim), "float16"),
                   v: T.Buffer((batch, seq_kv, dim), "float16"), out: T.Buffer((batch, seq_q, dim), "float16")):
         T.func_attr({"tirx.noalias": True})
         bz = T.launch_thread("blockIdx.y", batch)
         bx = T.launch_thread("blockIdx.x", q_tiles)
         tx = T.launch_thread("threadIdx.x", threads)
-        smem = T.alloc_buffer((kv_base + 2 * stage_elems,), "float16", scope="shared.dyn")
+        smem = T.alloc_buffer((k_base + 2 * stage_elems,), "float16", scope="shared.dyn")
         s_acc = T.alloc_buffer((s_regs,), "float32", scope="local")
         o_acc = T.alloc_buffer((o_regs,), "float32", scope="local")
         row_m = T.alloc_buffer((2,), "float32", scope="local")  # running maximum (log2 units) of this thread's 2 rows
@@ -94,7 +105,7 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
         alpha = T.alloc_buffer((2,), "float32", scope="local")
         desc_q = T.alloc_buffer((1,), "uint64", scope="local")
         desc_p = T.alloc_buffer((1,), "uint64", scope="local")
-        desc_kt = T.alloc_buffer((1,), "uint64", scope="local")
+        desc_k = T.alloc_buffer((1,), "uint64", scope="local")
         desc_v = T.alloc_buffer((1,), "uint64", scope="local")
         qb = T.meta_var(q_tiles - 1 - bx if causal else bx)  # causal: the longest rows start first
         n_tiles = T.meta_var(T.min(kv_tiles, ((qb + 1) * bm + block_n - 1) // block_n) if causal else kv_tiles)
@@ -104,51 +115,40 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
         T.evaluate(T.cuda.wgmma.encode_matrix_descriptor(
             T.address_of(desc_p[0]), T.address_of(smem[p_base + wg_rows]), 1, ATOM_BYTES // 16, SWIZZLE_128B))
         T.evaluate(T.cuda.wgmma.encode_matrix_descriptor(
-            T.address_of(desc_kt[0]), T.address_of(smem[kv_base]), dim * 128 // 16, ATOM_BYTES // 16, SWIZZLE_128B))
-        T.evaluate(T.cuda.wgmma.encode_matrix_descriptor(
-            T.address_of(desc_v[0]), T.address_of(smem[kv_base + kt_elems]), block_n * 128 // 16, ATOM_BYTES // 16, SWIZZLE_128B))
+            T.address_of(desc_k[0]), T.address_of(smem[k_base]), 1, ATOM_BYTES // 16, SWIZZLE_128B))
+        T.evaluate(T.cuda.wgmma.encode_matrix_descriptor(  # V: n-major, LBO from one 64-column atom to the next
+            T.address_of(desc_v[0]), T.address_of(smem[k_base + kv_elems]), block_n * 128 // 16, ATOM_BYTES // 16, SWIZZLE_128B))
         for h in T.unroll(2):
             row_m[h] = T.float32(MASKED)
             row_l[h] = T.float32(0)
         for r in T.unroll(o_regs):
             o_acc[r] = T.float32(0)
-        for i in T.unroll(q_elems // 8 // threads):  # Q, then the first K^T and V tiles: one group
-            row, col = T.meta_var(((tx + i * threads) // (dim // 8), (tx + i * threads) % (dim // 8) * 8))
-            T.ptx["cp.async.cg.shared.global"](T.address_of(smem[k_major(row, col, bm)]),
+        for i in T.unroll(q_elems // 8 // threads):  # Q, then the first K and V tiles: one group
+            row, col = T.meta_var(piece(tx, i))
+            T.ptx["cp.async.cg.shared.global"](T.address_of(smem[swizzled(row, col, bm)]),
                                                T.address_of(q[bz, qb * bm + row, col]), 16)
-        for i in T.unroll(kt_elems // 8 // threads):
-            krow, col = T.meta_var(((tx + i * threads) // (block_n // 8), (tx + i * threads) % (block_n // 8) * 8))
-            T.ptx["cp.async.cg.shared.global"](T.address_of(smem[kv_base + n_major(krow, col, dim)]),
-                                               T.address_of(kt[bz, krow, col]), 16)
-        for i in T.unroll(v_elems // 8 // threads):
-            krow, col = T.meta_var(((tx + i * threads) // (dim // 8), (tx + i * threads) % (dim // 8) * 8))
-            T.ptx["cp.async.cg.shared.global"](T.address_of(smem[kv_base + kt_elems + n_major(krow, col, block_n)]),
-                                               T.address_of(v[bz, krow, col]), 16)
+        for i in T.unroll(kv_elems // 8 // threads):
+            k_dst, k_src, v_dst, v_src = T.meta_var(kv_copies(k, v, tx, i, 0, bz))
+            T.ptx["cp.async.cg.shared.global"](T.address_of(smem[k_dst]), k_src, 16)
+            T.ptx["cp.async.cg.shared.global"](T.address_of(smem[v_dst]), v_src, 16)
         T.ptx["cp.async.commit_group"]()
         for j in T.serial(n_tiles):
             T.ptx["cp.async.wait_group"](0)  # tile j (and Q) have landed
             T.ptx["fence.proxy.async.shared::cta"]()
             T.tvm_storage_sync("shared")  # every thread's copies; every warpgroup is done with tile j - 1
             if j + 1 < n_tiles:
-                for i in T.unroll(kt_elems // 8 // threads):
-                    krow, col = T.meta_var(((tx + i * threads) // (block_n // 8), (tx + i * threads) % (block_n // 8) * 8))
-                    T.ptx["cp.async.cg.shared.global"](
-                        T.address_of(smem[kv_base + (j + 1) % 2 * stage_elems + n_major(krow, col, dim)]),
-                        T.address_of(kt[bz, krow, (j + 1) * block_n + col]), 16)
-                for i in T.unroll(v_elems // 8 // threads):
-                    krow, col = T.meta_var(((tx + i * threads) // (dim // 8), (tx + i * threads) % (dim // 8) * 8))
-                    T.ptx["cp.async.cg.shared.global"](
-                        T.address_of(smem[kv_base + (j + 1) % 2 * stage_elems + kt_elems + n_major(krow, col, block_n)]),
-                        T.address_of(v[bz, (j + 1) * block_n + krow, col]), 16)
+                for i in T.unroll(kv_elems // 8 // threads):
+                    k_dst, k_src, v_dst, v_src = T.meta_var(kv_copies(k, v, tx, i, j + 1, bz))
+                    T.ptx["cp.async.cg.shared.global"](T.address_of(smem[k_dst]), k_src, 16)
+                    T.ptx["cp.async.cg.shared.global"](T.address_of(smem[v_dst]), v_src, 16)
             T.ptx["cp.async.commit_group"]()
             for r in T.unroll(s_regs):
                 s_acc[r] = T.float32(0)
             T.ptx["wgmma.fence.sync.aligned"]()
             for kk in T.unroll(dim // 16):  # S = Q K^T, 16 of the head dim per step
                 T.ptx[s_mma](*[s_acc[r] for r in range(s_regs)],
-                             desc_q[0] + T.uint64((kk // 4 * bm * ATOM_COLS * 2 + kk % 4 * 32) // 16),
-                             desc_kt[0] + T.uint64((j % 2 * stage_elems * 2 + kk * 16 * 128) // 16),
-                             T.bool(True), 1, 1, 0, 1)
+                             desc_q[0] + k_step(kk, bm), desc_k[0] + T.uint64(j % 2 * stage_elems * 2 // 16) + k_step(kk, block_n),
+                             T.bool(True), 1, 1, 0, 0)
             T.ptx["wgmma.commit_group.sync.aligned"]()
             T.ptx["wgmma.wait_group.sync.aligned"](0)
             for h in T.unroll(2):
@@ -171,7 +171,7 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
                 row, col = T.meta_var(in_tile(tx, r))
                 s_acc[r] = T.exp2(s_acc[r] - row_m[r // 2 % 2])
                 row_l[r // 2 % 2] = row_l[r // 2 % 2] + s_acc[r]
-                smem[p_base + k_major(row, col, bm)] = T.Cast("float16", s_acc[r])
+                smem[p_base + swizzled(row, col, bm)] = T.Cast("float16", s_acc[r])
             for r in T.unroll(o_regs):
                 o_acc[r] = o_acc[r] * alpha[r // 2 % 2]
             T.ptx["fence.proxy.async.shared::cta"]()  # P written by every thread, then read by wgmma
@@ -179,7 +179,7 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
             T.ptx["wgmma.fence.sync.aligned"]()
             for kk in T.unroll(block_n // 16):  # O += P V, 16 keys per step
                 T.ptx[o_mma](*[o_acc[r] for r in range(o_regs)],
-                             desc_p[0] + T.uint64((kk // 4 * bm * ATOM_COLS * 2 + kk % 4 * 32) // 16),
+                             desc_p[0] + k_step(kk, bm),
                              desc_v[0] + T.uint64((j % 2 * stage_elems * 2 + kk * 16 * 128) // 16),
                              T.bool(True), 1, 1, 0, 1)
             T.ptx["wgmma.commit_group.sync.aligned"]()

@@ -113,17 +113,18 @@ def stage_bytes(block_m: int, block_n: int) -> int:
     return (block_m + block_n) * K_TILE * 2
 
 
-# (tile, blocks it must give per SM), first fit wins, with its most stages. H200, every point timed
-# on LLaMA, BERT and square shapes (bench/results/h200-2026-11-22-s11-in-flight-and-attention.json):
-# with a wgmma group in flight the most stages won on every shape, and 128 x 256 tiles where they
-# give two waves (4096^3: 543 TFLOP/s against 454 for 128 x 128); 512 x 11008 x 4096 (1.3 waves of
-# 128 x 256) took 128 x 128: 417 against 385.
-PREFERENCE = [((128, 256), 2), ((128, 128), 1), ((64, 128), 1)]
+# (tile, waves of blocks it must give, stage count), first fit wins. H200, every point timed on LLaMA,
+# BERT and square shapes (bench/results/h200-2026-11-22-s11-*.json): with a wgmma group in flight
+# the most stages won with 128-row tiles, and 128 x 256 tiles where they give about two waves
+# (4096^3: 543 TFLOP/s against 454 for 128 x 128; 2048 x 4096 x 11008, 1.94 waves: 586 against 466);
+# 512 x 11008 x 4096 (1.3 waves of 128 x 256) took 128 x 128: 402 against 380. 64 x 128 tiles keep two blocks per SM (with the most stages, one warpgroup per SM
+# made LLaMA's 512 x 4096 projections 1.65x slower in the whole layer: -e2e-s11-kt-transposed.md).
+PREFERENCE = [((128, 256), 1.9, "most"), ((128, 128), 1, "most"), ((64, 128), 1, "two per SM")]
 
 
 def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule] | None:
-    """The first tile of PREFERENCE that fits and gives enough blocks, else the fitting tile giving
-    the most blocks; the most stages of the tile."""
+    """The first tile of PREFERENCE that fits and gives enough blocks, with its stage count, else
+    the fitting tile giving the most blocks, with its most stages."""
     found = _fit(func)
     space = _points(found)
     if not space:
@@ -133,9 +134,9 @@ def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule]
     for knobs in space:  # each tile's points: most stages first
         by_tile.setdefault((knobs["block_m"], knobs["block_n"]), []).append(knobs)
     blocks = {(bm, bn): math.prod(batch) * m // bm * n // bn for bm, bn in by_tile}
-    tile = next((tile for tile, waves in PREFERENCE if tile in by_tile and blocks[tile] >= waves * sm_count),
-                max(blocks, key=blocks.get))
-    knobs = by_tile[tile][0]
+    tile, stages = next(((tile, stages) for tile, waves, stages in PREFERENCE
+                         if tile in by_tile and blocks[tile] >= waves * sm_count), (max(blocks, key=blocks.get), "most"))
+    knobs = by_tile[tile][0 if stages == "most" else -1]
     return knobs, _apply(func, found, knobs)
 
 

@@ -162,7 +162,24 @@ def _match(chain: _Chain, final) -> dict | None:
             return None
     if not attention.fits(batch, seq_q, seq_kv, dim, causal):
         return None
-    return {"args": (q3, kt3, v3), "sizes": (batch, seq_q, seq_kv, dim), "scale": scale, "causal": causal}
+    return {"q": q3, "k": _keys(chain, kt3, batch), "v": v3, "sizes": (batch, seq_q, seq_kv, dim), "scale": scale,
+            "causal": causal}
+
+
+def _keys(chain: _Chain, kt3, batch: int) -> tuple:
+    """How to get K [batch, seq, dim] from K^T [batch, dim, seq]: ("reshape", k) where K^T is a
+    transpose of the last two axes of k [..., seq, dim] (the frontend's k.transpose(-1, -2); reading
+    k itself spares a transposed copy), else ("transpose", kt3)."""
+    expr = kt3
+    while _op(chain.producer(expr)) in ("relax.reshape", "relax.broadcast_to"):
+        expr = chain.producer(expr).args[0]
+    value = chain.producer(expr)
+    if _op(value) == "relax.permute_dims" and value.attrs.axes is not None:
+        axes, shape = [int(a) for a in value.attrs.axes], _shape(value.args[0])
+        rank = len(axes)
+        if axes == [*range(rank - 2), rank - 1, rank - 2] and shape and int(np.prod(shape[:-2])) == batch:
+            return "reshape", value.args[0]
+    return "transpose", kt3
 
 
 @relax.expr_functor.mutator
@@ -179,7 +196,11 @@ class _Rewriter(relax.PyExprMutator):
         batch, seq_q, seq_kv, dim = found["sizes"]
         kernel = attention.kernel(batch, seq_q, seq_kv, dim, found["scale"], found["causal"])
         gv = self.builder_.add_func(kernel.with_attrs({"op_pattern": OPAQUE, "tirx.is_scheduled": True}), "fused_attention")
-        call = relax.call_tir(gv, [self.visit_expr(x) for x in found["args"]],
+        how, keys = found["k"]
+        keys = self.visit_expr(keys)
+        keys = self.builder_.emit(relax.op.reshape(keys, [batch, seq_kv, dim]) if how == "reshape"
+                                  else relax.op.permute_dims(keys, [0, 2, 1]))
+        call = relax.call_tir(gv, [self.visit_expr(found["q"]), keys, self.visit_expr(found["v"])],
                               relax.TensorType([batch, seq_q, dim], "float16"))
         self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
 
