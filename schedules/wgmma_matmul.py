@@ -11,8 +11,9 @@ template writes the kernel itself:
 - a block computes `block_m x block_n` of C with `block_m / 64` warpgroups, each 64 rows by
   `block_n` (one `m64n{block_n}k16` per 16 of k, f32 accumulators in registers);
 - 64 of k per stage, `stages` shared-memory stages filled by cp.async (every thread, 16 bytes
-  each) `stages - 2` tiles ahead of the tensor cores, which keep one step's wgmma group in flight
-  while the next is issued (the stage they may still read is the one not refilled);
+  each) ahead of the tensor cores; a block alone on its SM keeps one step's wgmma group in flight
+  while it issues the next (copies then run `stages - 2` tiles ahead, never into the stage still
+  read), two blocks sharing an SM hide each other's waits and copy `stages - 1` ahead;
 - shared tiles in the 128-byte swizzled layouts the descriptors name: A (and a k-major B, a
   [n, k] weight) as rows of 64 k; an n-major B ([k, n]) in atoms of 64 columns;
 - the elementwise work FuseOps put after the matmul (the cast back to fp16, a bias, a residual, an
@@ -91,11 +92,21 @@ def _group(row_tiles: int) -> int:
 
 def _stage_counts(block_m: int, block_n: int) -> list[int]:
     """The most stages one block may have (at most 8), then the most that let two blocks share an
-    SM (the driver keeps 1 KB per block); counts too small to pipeline (one stage in flight, one
-    being filled, one ahead) or to hold the output tile (staged through the same memory) dropped."""
+    SM (the driver keeps 1 KB per block); counts too small to pipeline (one tile ahead of the one
+    read, and of the one in flight, see `_in_flight`) or to hold the output tile (staged through the
+    same memory) dropped."""
     stage = stage_bytes(block_m, block_n)
     counts = [min(8, matmul.MAX_SHARED // stage), (matmul.MAX_SHARED // 2 - 1024) // stage]
-    return sorted({c for c in counts if c >= 3 and c * stage >= _output_bytes(block_m, block_n)}, reverse=True)
+    return sorted({c for c in counts if c >= 2 + _in_flight(block_m, block_n, c)
+                   and c * stage >= _output_bytes(block_m, block_n)}, reverse=True)
+
+
+def _in_flight(block_m: int, block_n: int, stages: int) -> int:
+    """1 where a block is alone on its SM: its tensor cores then keep one wgmma group in flight
+    (128 x 256 tiles: 456 -> 543 TFLOP/s on 4096^3); with two blocks per SM the other block fills
+    the wait, and a stage more of copies ahead was faster (LLaMA-512's 512 x 4096 projections 33 us
+    against 36 in the whole layer, -e2e-s10-final against -e2e-s11)."""
+    return int(stages * stage_bytes(block_m, block_n) > matmul.MAX_SHARED // 2 - 1024)
 
 
 def _output_bytes(block_m: int, block_n: int) -> int:
@@ -113,18 +124,18 @@ def stage_bytes(block_m: int, block_n: int) -> int:
     return (block_m + block_n) * K_TILE * 2
 
 
-# (tile, waves of blocks it must give, stage count), first fit wins. H200, every point timed on LLaMA,
-# BERT and square shapes (bench/results/h200-2026-11-22-s11-*.json): with a wgmma group in flight
-# the most stages won with 128-row tiles, and 128 x 256 tiles where they give about two waves
-# (4096^3: 543 TFLOP/s against 454 for 128 x 128; 2048 x 4096 x 11008, 1.94 waves: 586 against 466);
-# 512 x 11008 x 4096 (1.3 waves of 128 x 256) took 128 x 128: 402 against 380. 64 x 128 tiles keep two blocks per SM (with the most stages, one warpgroup per SM
-# made LLaMA's 512 x 4096 projections 1.65x slower in the whole layer: -e2e-s11-kt-transposed.md).
-PREFERENCE = [((128, 256), 1.9, "most"), ((128, 128), 1, "most"), ((64, 128), 1, "two per SM")]
+# (tile, waves of blocks it must give, stage count), first fit wins. H200: 128 x 256 tiles alone on
+# an SM (a wgmma group in flight) where they give about two waves (4096^3: 543 TFLOP/s against 462
+# for 128 x 128; 2048 x 4096 x 11008, 1.94 waves: 586 against 481: bench/results/h200-2026-11-22-
+# s11-*.json); else two blocks per SM, which beat one with more stages on every LLaMA and BERT shape
+# of -matmul-models.* and in the whole layers (-e2e-s11-kt-transposed.md: one block per SM made
+# LLaMA-512's 512 x 4096 projections 1.65x slower).
+PREFERENCE = [((128, 256), 1.9, "most"), ((128, 128), 1, "two per SM"), ((64, 128), 1, "two per SM")]
 
 
 def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule] | None:
     """The first tile of PREFERENCE that fits and gives enough blocks, with its stage count, else
-    the fitting tile giving the most blocks, with its most stages."""
+    the fitting tile giving the most blocks, two per SM."""
     found = _fit(func)
     space = _points(found)
     if not space:
@@ -135,7 +146,7 @@ def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule]
         by_tile.setdefault((knobs["block_m"], knobs["block_n"]), []).append(knobs)
     blocks = {(bm, bn): math.prod(batch) * m // bm * n // bn for bm, bn in by_tile}
     tile, stages = next(((tile, stages) for tile, waves, stages in PREFERENCE
-                         if tile in by_tile and blocks[tile] >= waves * sm_count), (max(blocks, key=blocks.get), "most"))
+                         if tile in by_tile and blocks[tile] >= waves * sm_count), (max(blocks, key=blocks.get), "two per SM"))
     knobs = by_tile[tile][0 if stages == "most" else -1]
     return knobs, _apply(func, found, knobs)
 
@@ -180,7 +191,7 @@ def _apply(func: tirx.PrimFunc, found, knobs: dict) -> s_tir.Schedule | None:
     block, folded = found
     bm, bn, stages, group = (int(knobs.get(x, 0)) for x in ("block_m", "block_n", "stages", "group"))
     *batch, m, n, k = _sizes(found)
-    if bm % ROWS or bn % 64 or bn > 256 or m % bm or n % bn or stages < 3 or group and m // bm % group \
+    if bm % ROWS or bn % 64 or bn > 256 or m % bm or n % bn or stages < 2 + _in_flight(bm, bn, stages) or group and m // bm % group \
             or not _output_bytes(bm, bn) <= stages * stage_bytes(bm, bn) <= matmul.MAX_SHARED:
         return None
     return s_tir.Schedule(func.with_body(_kernel(block, folded, bm, bn, stages, group, batch, m, n, k).body))
@@ -197,7 +208,8 @@ def _kernel(block, folded, bm, bn, stages, group, batch, m, n, k) -> tirx.PrimFu
     a_elems, b_elems = bm * K_TILE, bn * K_TILE
     stage_elems = a_elems + b_elems
     a_chunks, b_chunks = a_elems // 8 // threads, b_elems // 8 // threads  # 16-byte copies per thread
-    k_tiles, ahead = k // K_TILE, min(stages - 2, k // K_TILE)  # stage kt - 1 may still be read
+    in_flight = _in_flight(bm, bn, stages)
+    k_tiles, ahead = k // K_TILE, min(stages - 1 - in_flight, k // K_TILE)  # in flight: stage kt - 1 may still be read
     regs = bn // 2
 
     def at(load, bindings):
@@ -286,7 +298,7 @@ def _kernel(block, folded, bm, bn, stages, group, batch, m, n, k) -> tirx.PrimFu
         for kt in range(k_tiles):
             T.ptx["cp.async.wait_group"](ahead - 1)  # this thread's copies of tile kt have landed
             T.ptx["fence.proxy.async.shared::cta"]()  # generic-proxy writes, then wgmma's async reads
-            T.tvm_storage_sync("shared")  # every thread's copies; every warpgroup is past the wait for tile kt - 2
+            T.tvm_storage_sync("shared")  # every thread's copies; every warpgroup is past its wait (tile kt - 1 - in_flight done)
             if kt + ahead < k_tiles:
                 for i in T.unroll(a_chunks):
                     dst, src = T.meta_var(copy_a((kt + ahead) % stages, kt + ahead, tx, by, bz, i))
@@ -302,8 +314,8 @@ def _kernel(block, folded, bm, bn, stages, group, batch, m, n, k) -> tirx.PrimFu
                            desc_b[0] + T.uint64((kt % stages * stage_elems * 2 + kk * b_step) // 16),
                            T.bool(True), 1, 1, 0, trans_b)  # D += A * B
             T.ptx["wgmma.commit_group.sync.aligned"]()
-            T.ptx["wgmma.wait_group.sync.aligned"](1)  # tile kt - 1 done; kt stays in flight: +5-18% on
-        T.ptx["wgmma.wait_group.sync.aligned"](0)  # the H200 (bench/results/h200-2026-11-22-s11-in-flight-and-attention.json)
+            T.ptx["wgmma.wait_group.sync.aligned"](in_flight)
+        T.ptx["wgmma.wait_group.sync.aligned"](0)
         if staged:
             T.tvm_storage_sync("shared")  # every warpgroup's last wgmma has read its operands
             for r in T.unroll(regs):

@@ -46,7 +46,6 @@ def test_the_template_takes_fp16_matmuls_of_whole_64_tiles_only():
     assert wgmma_matmul.knob_space(template_func(256, 512, 256, "bfloat16")) == []
     assert wgmma_matmul.knob_space(template_func(256, 512, 256, "int8", "int32")) == []
     assert wgmma_matmul.apply(template_func(256, 512, 256), {"block_m": 128, "block_n": 256, "stages": 5}) is None  # 240 KB
-    assert wgmma_matmul.apply(template_func(256, 512, 256), {"block_m": 64, "block_n": 64, "stages": 2}) is None  # none ahead
 
 
 def test_only_sm_90a_targets_get_it():
@@ -59,8 +58,16 @@ def test_a_full_wave_of_blocks_picks_the_tile():
     sm_90a = tvm.target.Target(SM_90A)
     assert dispatch.heuristic_knobs(template_func(4096, 4096, 4096), sm_90a)["block_n"] == 256  # 512 blocks
     small = dispatch.heuristic_knobs(template_func(512, 768, 768), sm_90a)  # BERT's attention projection
-    assert (small["block_m"], small["block_n"], small["stages"]) == (64, 64, 8)  # 96 blocks, the most; most stages
+    assert (small["block_m"], small["block_n"], small["stages"]) == (64, 64, 7)  # 96 blocks, the most; two per SM
     assert small["group"] == 8  # 8 rows of tiles: blocks walk down 8 of them per column of tiles
+
+
+def test_only_a_block_alone_on_its_sm_keeps_a_wgmma_group_in_flight():
+    func = template_func(256, 512, 256)
+    alone = cuda_source(wgmma_matmul.apply(func, {"block_m": 128, "block_n": 256, "stages": 4}).mod["main"])  # 192 KB
+    shared = cuda_source(wgmma_matmul.apply(func, {"block_m": 128, "block_n": 128, "stages": 3}).mod["main"])  # 96 KB
+    assert "wgmma.wait_group.sync.aligned 1" in alone and "cp.async.wait_group 1" in alone  # 2 tiles ahead
+    assert "wgmma.wait_group.sync.aligned 1" not in shared and "cp.async.wait_group 1" in shared  # 2 tiles ahead
 
 
 @pytest.mark.parametrize("n_major", [True, False])
