@@ -1,6 +1,6 @@
 """The `tvm_ext` Relax pipeline: legalize, fuse, schedule fused reductions with our templates.
 
-Order: top-1 sorts as maxima -> half math around reductions in float32 -> library dispatch ->
+Order: spelled-out attention as one fused kernel (sm_90a, attention.py) -> top-1 sorts as maxima -> half math around reductions in float32 -> library dispatch ->
 mean/variance pairing (Welford) -> matmuls by a transposed key read it untransposed, activations
 before reshapes -> LegalizeOps (with our legalizations; on GPUs, split-K for matmuls with few
 rows) -> AnnotateTIROpPattern ->
@@ -130,7 +130,8 @@ def _check_lowers(func: tirx.PrimFunc, name: str, target: Target) -> None:
 
 
 def fused_passes(target, **options) -> list:
-    """Everything up to the fused PrimFuncs the schedules see: top-1 sorts that are maxima made
+    """Everything up to the fused PrimFuncs the schedules see: spelled-out attention replaced by the
+    fused kernel (sm_90a), top-1 sorts that are maxima made
     maxima (before the library dispatch turns them into sort kernels), half arithmetic around
     reductions done in float32 with PyTorch's rounding points (half_math.py), library dispatch, the
     pairing of mean with variance (Welford), matmuls by a transposed operand reading it untransposed
