@@ -19,14 +19,11 @@ dim] fp16. Head dims 64 and 128, sequences a multiple of the tiles, static sizes
 
 from __future__ import annotations
 
-import math
-
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .wgmma_matmul import ATOM_BYTES, ROWS, SWIZZLE_128B, WARPGROUP
+from .wgmma_matmul import ATOM_BYTES, ROWS, SWIZZLE_128B, WARPGROUP, accumulator_position, swizzled
 
-NAME = "attention"
 ATOM_COLS = 64  # fp16 columns of one 128-byte swizzled row
 HEAD_DIMS = (64, 128)
 MASKED = -1.0e30  # finite: a fully masked row of a tile then adds exp2(-1e30 - m) = 0, never NaN
@@ -60,11 +57,6 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
     o_mma = f"wgmma.mma_async.sync.aligned.m64n{dim}k16.f32.f16.f16"
     full = 0xFFFFFFFF
 
-    def swizzled(row, col, rows):
-        """Offset of (row, col) in a tile of `rows` rows kept as 64-column chunks of 128-byte
-        swizzled rows: the k-major layout of Q, K and P, and V's n-major one (64-column atoms)."""
-        return col // ATOM_COLS * (rows * ATOM_COLS) + row * ATOM_COLS + T.bitwise_xor(col % ATOM_COLS // 8, row % 8) * 8 + col % 8
-
     def piece(tx, i):
         """(row, column) of the i-th 16-byte copy of thread tx in a tile `dim` wide."""
         return (tx + i * threads) // (dim // 8), (tx + i * threads) % (dim // 8) * 8
@@ -80,10 +72,6 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
     def k_step(kk, rows):
         """Descriptor offset (16-byte units) of the kk-th 16-wide k step of a k-major tile."""
         return T.uint64((kk // 4 * rows * ATOM_COLS * 2 + kk % 4 * 32) // 16)
-
-    def in_tile(tx, r):
-        """(row, column) of accumulator register r in the block's tile (m64nNk16 layout)."""
-        return tx // 32 * 16 + tx % 32 // 4 + 8 * (r // 2 % 2), r // 4 * 8 + tx % 4 * 2 + r % 2
 
     def across_row(x, lane_mask):
         """x of the lane `lane_mask` away: the four lanes tx % 4 hold one row's columns."""
@@ -154,7 +142,7 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
             for h in T.unroll(2):
                 tile_m[h] = T.float32(MASKED)
             for r in T.unroll(s_regs):
-                row, col = T.meta_var(in_tile(tx, r))
+                row, col = T.meta_var(accumulator_position(tx, r))
                 if causal:
                     s_acc[r] = T.if_then_else(j * block_n + col > qb * bm + row, T.float32(MASKED), s_acc[r] * T.float32(scale_log2))
                 else:
@@ -168,7 +156,7 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
                 row_m[h] = tile_m[h]
                 row_l[h] = row_l[h] * alpha[h]
             for r in T.unroll(s_regs):
-                row, col = T.meta_var(in_tile(tx, r))
+                row, col = T.meta_var(accumulator_position(tx, r))
                 s_acc[r] = T.exp2(s_acc[r] - row_m[r // 2 % 2])
                 row_l[r // 2 % 2] = row_l[r // 2 % 2] + s_acc[r]
                 smem[p_base + swizzled(row, col, bm)] = T.Cast("float16", s_acc[r])
@@ -188,7 +176,7 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
             row_l[h] = row_l[h] + across_row(row_l[h], 1)
             row_l[h] = row_l[h] + across_row(row_l[h], 2)
         for r in T.unroll(o_regs):
-            row, col = T.meta_var(in_tile(tx, r))
+            row, col = T.meta_var(accumulator_position(tx, r))
             out[bz, qb * bm + row, col] = T.Cast("float16", o_acc[r] / row_l[r // 2 % 2])
 
     return attention

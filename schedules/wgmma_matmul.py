@@ -46,6 +46,20 @@ SWIZZLE_128B = 3  # the descriptor helper's code for 128-byte swizzling
 ATOM_BYTES = 1024  # 8 rows of 128 bytes: the swizzle pattern repeats at this stride
 OUTPUT_PAD = 8  # fp16 elements after each staged output row: the 8 rows a warp writes at once start in different banks
 TILES = [(128, 256), (128, 128), (64, 256), (64, 128), (64, 64)]  # (block_m, block_n), largest first
+TWO_PER_SM = matmul.MAX_SHARED // 2 - 1024  # shared bytes a block may take and share its SM (the driver keeps 1 KB per block)
+
+
+def swizzled(row, col, rows: int):
+    """Offset of fp16 element (row, col) in a shared tile of `rows` rows kept as 64-column chunks of
+    128-byte rows, swizzled as the descriptors' 128-byte mode reads them: the k-major layout (rows
+    of 64 k) and, for an n-major B, its 64-column atoms."""
+    return col // 64 * (rows * 64) + row * 64 + T.bitwise_xor(col % 64 // 8, row % 8) * 8 + col % 8
+
+
+def accumulator_position(tx, r):
+    """(row, column) in a warpgroup-row tile of accumulator register r of thread tx: the m64nNk16
+    layout (each warp 16 rows; a lane 4 registers per 8 columns)."""
+    return tx // 32 * 16 + tx % 32 // 4 + 8 * (r // 2 % 2), r // 4 * 8 + tx % 4 * 2 + r % 2
 
 
 def _fit(func: tirx.PrimFunc):
@@ -92,11 +106,11 @@ def _group(row_tiles: int) -> int:
 
 def _stage_counts(block_m: int, block_n: int) -> list[int]:
     """The most stages one block may have (at most 8), then the most that let two blocks share an
-    SM (the driver keeps 1 KB per block); counts too small to pipeline (one tile ahead of the one
+    SM; counts too small to pipeline (one tile ahead of the one
     read, and of the one in flight, see `_in_flight`) or to hold the output tile (staged through the
     same memory) dropped."""
     stage = stage_bytes(block_m, block_n)
-    counts = [min(8, matmul.MAX_SHARED // stage), (matmul.MAX_SHARED // 2 - 1024) // stage]
+    counts = [min(8, matmul.MAX_SHARED // stage), TWO_PER_SM // stage]
     return sorted({c for c in counts if c >= 2 + _in_flight(block_m, block_n, c)
                    and c * stage >= _output_bytes(block_m, block_n)}, reverse=True)
 
@@ -106,7 +120,7 @@ def _in_flight(block_m: int, block_n: int, stages: int) -> int:
     (128 x 256 tiles: 456 -> 543 TFLOP/s on 4096^3); with two blocks per SM the other block fills
     the wait, and a stage more of copies ahead was faster (LLaMA-512's 512 x 4096 projections 33 us
     against 36 in the whole layer, -e2e-s10-final against -e2e-s11)."""
-    return int(stages * stage_bytes(block_m, block_n) > matmul.MAX_SHARED // 2 - 1024)
+    return int(stages * stage_bytes(block_m, block_n) > TWO_PER_SM)
 
 
 def _output_bytes(block_m: int, block_n: int) -> int:
@@ -227,24 +241,18 @@ def _kernel(block, folded, bm, bn, stages, group, batch, m, n, k) -> tirx.PrimFu
     def copy_a(slot, tile, tx, by, bz, i):
         chunk = tx + i * threads
         row, piece = chunk // 8, chunk % 8
-        dst = slot * stage_elems + row * K_TILE + T.bitwise_xor(piece, row % 8) * 8
+        dst = slot * stage_elems + swizzled(row, piece * 8, bm)
         return dst, at(a_load, {**batch_of(bz), row_var: by * bm + row, k_var: tile * K_TILE + piece * 8})
 
     def copy_b(slot, tile, tx, bx, bz, i):
         chunk = tx + i * threads
         if b_n_major:  # [k, n]: 64-column atoms, each K_TILE rows of 128 bytes
             krow, piece = chunk // (bn // 8), chunk % (bn // 8)
-            dst = (slot * stage_elems + a_elems + piece // 8 * (K_TILE * 64) + krow * 64
-                   + T.bitwise_xor(piece % 8, krow % 8) * 8)
+            dst = slot * stage_elems + a_elems + swizzled(krow, piece * 8, K_TILE)
             return dst, at(b_load, {**batch_of(bz), k_var: tile * K_TILE + krow, col_var: bx * bn + piece * 8})
         col, piece = chunk // 8, chunk % 8  # [n, k]: rows of 64 k, like A
-        dst = slot * stage_elems + a_elems + col * K_TILE + T.bitwise_xor(piece, col % 8) * 8
+        dst = slot * stage_elems + a_elems + swizzled(col, piece * 8, bn)
         return dst, at(b_load, {**batch_of(bz), col_var: bx * bn + col, k_var: tile * K_TILE + piece * 8})
-
-    def in_tile(tx, r):
-        """(row, column) in the block's tile of accumulator register r: the m64nNk16 layout (each
-        warp 16 rows; a lane 4 registers per 8 columns)."""
-        return tx // 32 * 16 + tx % 32 // 4 + 8 * (r // 2 % 2), r // 4 * 8 + tx % 4 * 2 + r % 2
 
     def indices(bz, row, col):
         """The output's indices at the matmul's row and column, and their bindings."""
@@ -319,7 +327,7 @@ def _kernel(block, folded, bm, bn, stages, group, batch, m, n, k) -> tirx.PrimFu
         if staged:
             T.tvm_storage_sync("shared")  # every warpgroup's last wgmma has read its operands
             for r in T.unroll(regs):
-                row, col = T.meta_var(in_tile(tx, r))
+                row, col = T.meta_var(accumulator_position(tx, r))
                 smem[row * row_stride + col] = result(bz, by * bm + row, bx * bn + col, acc[r])
             T.tvm_storage_sync("shared")
             for i in T.unroll(bm * bn // 8 // threads):
@@ -328,7 +336,7 @@ def _kernel(block, folded, bm, bn, stages, group, batch, m, n, k) -> tirx.PrimFu
                     T.buffer_store(out, smem[row * row_stride + col], indices(bz, by * bm + row, bx * bn + col)[0])
         else:
             for r in T.unroll(regs):
-                row, col = T.meta_var(in_tile(tx, r))
+                row, col = T.meta_var(accumulator_position(tx, r))
                 T.buffer_store(out, result(bz, by * bm + row, bx * bn + col, acc[r]), indices(bz, by * bm + row, bx * bn + col)[0])
 
     return kernel

@@ -29,7 +29,8 @@ from tvm.target import Target
 from schedules import attention
 from schedules.device import device_of
 
-from .legalize import legalize_full
+from .layout_rewrites import shape_of
+from .legalize import legalizations
 
 LOG = logging.getLogger(__name__)
 PASSING = ("relax.astype", "relax.reshape", "relax.broadcast_to")  # ops that carry the scores unchanged
@@ -41,11 +42,11 @@ def _op(expr) -> str:
 
 
 def _shape(expr) -> list[int] | None:
-    ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+    """A tensor's dims when all are static."""
+    if not isinstance(expr.ty, relax.TensorType) or not isinstance(expr.ty.shape, relax.ShapeExpr):
         return None
-    dims = [d.value if isinstance(d, tvm.tirx.IntImm) else None for d in ty.shape.values]
-    return None if None in dims else dims
+    dims = shape_of(expr)
+    return dims if dims is not None and all(isinstance(d, int) for d in dims) else None
 
 
 def _dtype(expr) -> str:
@@ -103,8 +104,7 @@ def _is_causal(chain: _Chain, mask, rows: int, cols: int) -> bool:
     bindings.sort(key=lambda b: order[b.var])
     out = relax.Var("mask", mask.ty)  # what leaves the dataflow block must be a plain Var
     func = relax.Function([], relax.SeqExpr([relax.DataflowBlock(bindings + [relax.VarBinding(out, mask)])], out), mask.ty)
-    mod = relax.transform.LegalizeOps(customize_legalize_map={"relax.full": legalize_full, "relax.full_like": legalize_full})(
-        tvm.IRModule({"main": func}))
+    mod = relax.transform.LegalizeOps(customize_legalize_map=legalizations())(tvm.IRModule({"main": func}))
     try:  # FoldConstant leaves `full` (no inputs) alone, so run it: a handful of tiny CPU kernels
         values = VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())["main"]().numpy().astype("float32")
     except tvm.error.TVMError as err:
