@@ -13,38 +13,64 @@ lanes that share a row by warp shuffles; one `m64n{dim}k16` per 16 keys adds P V
 use the 128-byte swizzled layouts of schedules/wgmma_matmul.py: Q, K and P as k-major rows of 64,
 V ([keys, dim]) as an n-major B in 64-column atoms.
 
-Inputs: Q [batch, seq, dim], K [batch, seq, dim], V [batch, seq, dim], fp16; output [batch, seq,
-dim] fp16. Head dims 64 and 128, sequences a multiple of the tiles, static sizes.
+Logically Q [batch, seq, dim], K [batch, seq, dim], V [batch, seq, dim], fp16; output [batch, seq,
+dim] fp16. Each may be a view (schedules/strided_view.py) into a tensor of another shape: the packed
+qkv projection that the model slices q, k and v from, the [b, s, heads * dim] rows the output is
+merged into. Head dims 64 and 128, sequences a multiple of the tiles, static sizes.
 """
 
 from __future__ import annotations
 
+import math
+
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .strided_view import StridedView
 from .wgmma_matmul import ATOM_BYTES, ROWS, SWIZZLE_128B, WARPGROUP, accumulator_position, swizzled
 
 ATOM_COLS = 64  # fp16 columns of one 128-byte swizzled row
 HEAD_DIMS = (64, 128)
 MASKED = -1.0e30  # finite: a fully masked row of a tile then adds exp2(-1e30 - m) = 0, never NaN
 LOG2E = 1.4426950408889634
+COPY_ELEMS = 8  # fp16 elements of one 16-byte cp.async
+OPERANDS = ("q", "k", "v", "out")
+Operand = tuple[tuple[int, ...], StridedView]  # the tensor passed, and where the logical operand lies in it
 
 
-def fits(batch: int, seq_q: int, seq_kv: int, dim: int, causal: bool, warpgroups: int = 1, block_n: int = 64) -> bool:
-    """Whether `kernel` takes these sizes."""
-    return dim in HEAD_DIMS and seq_q % (warpgroups * ROWS) == 0 and seq_kv % block_n == 0 \
-        and batch > 0 and (not causal or seq_q == seq_kv)
+def operands(batch: int, seq_q: int, seq_kv: int, dim: int, given: dict[str, Operand] | None = None) -> dict[str, Operand]:
+    """Every operand's tensor and view: `given` ones, the rest contiguous [batch, seq, dim]."""
+    logical = {"q": (batch, seq_q, dim), "k": (batch, seq_kv, dim), "v": (batch, seq_kv, dim), "out": (batch, seq_q, dim)}
+    given = given or {}
+    return {name: given.get(name, (shape, StridedView.contiguous(shape))) for name, shape in logical.items()}
+
+
+def fits(batch: int, seq_q: int, seq_kv: int, dim: int, causal: bool, warpgroups: int = 1, block_n: int = 64,
+         given: dict[str, Operand] | None = None) -> bool:
+    """Whether `kernel` takes these sizes and operand views: Q, K and V rows copied 16 bytes at a
+    time need unit-stride head dims on 16-byte boundaries; offsets must fit in int32."""
+    if not (dim in HEAD_DIMS and seq_q % (warpgroups * ROWS) == 0 and seq_kv % block_n == 0
+            and batch > 0 and (not causal or seq_q == seq_kv)):
+        return False
+    views = operands(batch, seq_q, seq_kv, dim, given)
+    return all(views[name][1].unit_stride_rows(-1, COPY_ELEMS) for name in ("q", "k", "v")) \
+        and all(math.prod(shape) < 2**31 for shape, _ in views.values())
 
 
 def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: bool,
-           warpgroups: int = 1, block_n: int = 64) -> tirx.PrimFunc:
-    """The attention PrimFunc (q, k, v, out) for these sizes; `scale` multiplies the scores.
+           warpgroups: int = 1, block_n: int = 64, given: dict[str, Operand] | None = None) -> tirx.PrimFunc:
+    """The attention PrimFunc (q, k, v, out) for these sizes; `scale` multiplies the scores;
+    `given` places operands in other tensors (default: contiguous [batch, seq, dim] each).
     Defaults: one warpgroup per block, 64-key tiles, the fastest on every shape timed on an H200
     (BERT 96 x 512 x 64, LLaMA 32 x 512/2048 x 128 causal; 2 warpgroups or 128 keys were 5-20%
     slower: bench/results/h200-2026-11-22-s11-in-flight-and-attention.json)."""
-    if not fits(batch, seq_q, seq_kv, dim, causal, warpgroups, block_n):
+    if not fits(batch, seq_q, seq_kv, dim, causal, warpgroups, block_n, given):
         raise ValueError(f"attention kernel does not take batch={batch} seq={seq_q}x{seq_kv} dim={dim} "
-                         f"causal={causal} with {warpgroups} warpgroups and {block_n}-key tiles")
+                         f"causal={causal} with {warpgroups} warpgroups and {block_n}-key tiles"
+                         + (" and these operand views" if given else ""))
+    views = operands(batch, seq_q, seq_kv, dim, given)
+    (q_shape, q_at), (k_shape, k_at), (v_shape, v_at), (out_shape, out_at) = (views[name] for name in OPERANDS)
+    q_at, k_at, v_at, out_at = (view.element for view in (q_at, k_at, v_at, out_at))
     bm, threads = warpgroups * ROWS, warpgroups * WARPGROUP
     q_elems, p_elems, kv_elems = bm * dim, bm * block_n, block_n * dim
     p_base = q_elems
@@ -66,8 +92,8 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
         K, then of V, into the stage tile % 2."""
         row, col = piece(tx, i)
         stage = k_base + tile % 2 * stage_elems
-        return (stage + swizzled(row, col, block_n), T.address_of(k[bz, tile * block_n + row, col]),
-                stage + kv_elems + swizzled(row, col, block_n), T.address_of(v[bz, tile * block_n + row, col]))
+        return (stage + swizzled(row, col, block_n), T.address_of(k[k_at(bz, tile * block_n + row, col)]),
+                stage + kv_elems + swizzled(row, col, block_n), T.address_of(v[v_at(bz, tile * block_n + row, col)]))
 
     def k_step(kk, rows):
         """Descriptor offset (16-byte units) of the kk-th 16-wide k step of a k-major tile."""
@@ -78,9 +104,13 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
         return T.tvm_warp_shuffle_xor(full, x, lane_mask, 32, 32)
 
     @T.prim_func(check_well_formed=False)
-    def attention(q: T.Buffer((batch, seq_q, dim), "float16"), k: T.Buffer((batch, seq_kv, dim), "float16"),
-                  v: T.Buffer((batch, seq_kv, dim), "float16"), out: T.Buffer((batch, seq_q, dim), "float16")):
+    def attention(q_in: T.Buffer(q_shape, "float16"), k_in: T.Buffer(k_shape, "float16"),
+                  v_in: T.Buffer(v_shape, "float16"), out_in: T.Buffer(out_shape, "float16")):
         T.func_attr({"tirx.noalias": True})
+        q = T.decl_buffer((math.prod(q_shape),), "float16", data=q_in.data)  # flat: indexed through the views
+        k = T.decl_buffer((math.prod(k_shape),), "float16", data=k_in.data)
+        v = T.decl_buffer((math.prod(v_shape),), "float16", data=v_in.data)
+        out = T.decl_buffer((math.prod(out_shape),), "float16", data=out_in.data)
         bz = T.launch_thread("blockIdx.y", batch)
         bx = T.launch_thread("blockIdx.x", q_tiles)
         tx = T.launch_thread("threadIdx.x", threads)
@@ -114,7 +144,7 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
         for i in T.unroll(q_elems // 8 // threads):  # Q, then the first K and V tiles: one group
             row, col = T.meta_var(piece(tx, i))
             T.ptx["cp.async.cg.shared.global"](T.address_of(smem[swizzled(row, col, bm)]),
-                                               T.address_of(q[bz, qb * bm + row, col]), 16)
+                                               T.address_of(q[q_at(bz, qb * bm + row, col)]), 16)
         for i in T.unroll(kv_elems // 8 // threads):
             k_dst, k_src, v_dst, v_src = T.meta_var(kv_copies(k, v, tx, i, 0, bz))
             T.ptx["cp.async.cg.shared.global"](T.address_of(smem[k_dst]), k_src, 16)
@@ -177,6 +207,6 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
             row_l[h] = row_l[h] + across_row(row_l[h], 2)
         for r in T.unroll(o_regs):
             row, col = T.meta_var(accumulator_position(tx, r))
-            out[bz, qb * bm + row, col] = T.Cast("float16", o_acc[r] / row_l[r // 2 % 2])
+            out[out_at(bz, qb * bm + row, col)] = T.Cast("float16", o_acc[r] / row_l[r // 2 % 2])
 
     return attention

@@ -13,17 +13,30 @@ from tvm import relax
 import tvm_ext
 from bench.spelled import main_module
 from schedules import attention
+from schedules.strided_view import StridedView
 from tvm_ext.attention import fuse_attention
 
 SM_90A = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 CAUSAL = np.triu(np.full((64, 64), -np.inf, "float32"), 1)
 
 
-def spelled(batch=2, heads=2, seq=64, dim=64, mask=None, probs_out=False) -> tvm.IRModule:
+def spelled(batch=2, heads=2, seq=64, dim=64, mask=None, probs_out=False, packed=False) -> tvm.IRModule:
     """softmax(q @ k^T / sqrt(dim) [+ mask]) @ v in fp16, one op per binding as the frontend writes it:
-    the scores rounded to fp16, softmax in float32, k transposed then reshaped to [batch * heads]."""
+    the scores rounded to fp16, softmax in float32, k transposed then reshaped to [batch * heads].
+    `packed`: BERT's layout, q, k and v sliced from one [batch, seq, 3 * heads * dim] projection and
+    the heads merged back into [batch, seq, heads * dim] rows."""
     n = batch * heads
     q, k, v = (relax.Var(x, relax.TensorType([batch, heads, seq, dim], "float16")) for x in "qkv")
+    qkv = relax.Var("qkv", relax.TensorType([batch, seq, 3 * heads * dim], "float16"))
+
+    def unpacked(bb, qkv):
+        heads_first = bb.emit(relax.op.permute_dims(
+            bb.emit(relax.op.reshape(qkv, [batch, seq, 3, heads, dim])), [2, 0, 3, 1, 4]))
+        q, k, v = (bb.emit(relax.op.squeeze(bb.emit(relax.op.strided_slice(heads_first, [0], [i], [i + 1])), [0]))
+                   for i in range(3))
+        out = body(bb, q, k, v)
+        merged = bb.emit(relax.op.permute_dims(bb.emit(relax.op.reshape(out, [batch, heads, seq, dim])), [0, 2, 1, 3]))
+        return bb.emit(relax.op.reshape(merged, [batch, seq, heads * dim]))
 
     def body(bb, q, k, v):
         q3 = bb.emit(relax.op.reshape(q, [n, seq, dim]))
@@ -39,7 +52,7 @@ def spelled(batch=2, heads=2, seq=64, dim=64, mask=None, probs_out=False) -> tvm
         o = bb.emit(relax.op.astype(o, "float16"))
         return relax.Tuple([o, p]) if probs_out else o
 
-    return main_module(body, [q, k, v])
+    return main_module(unpacked, [qkv]) if packed else main_module(body, [q, k, v])
 
 
 def fused(mod, target=SM_90A) -> tvm.IRModule:
@@ -66,6 +79,20 @@ def test_attention_becomes_one_call_that_reads_k_untransposed():
     assert "R.matmul" not in after and "R.nn.softmax" not in after and calls_of(fused(mod)) == ["fused_attention"]
     assert "R.permute_dims" not in after  # K read as stored, [batch * heads, seq, dim]
     assert f"{0.125 * attention.LOG2E:.8f}" in kernel_of(fused(mod))  # 1 / sqrt(64), in log2 units
+
+
+def test_packed_heads_are_read_and_written_in_place():
+    """BERT's split of the packed projection and merge of the heads are views for the kernel: no
+    copy is left, the kernel takes the packed tensor three times and returns the merged rows."""
+    after = fused(spelled(packed=True))
+    main = ops_in(after)
+    for op in ("R.permute_dims", "R.strided_slice", "R.squeeze", "R.reshape"):
+        assert op not in main
+    assert "R.call_tir(fused_attention, (qkv, qkv, qkv), out_ty=R.Tensor((2, 64, 128)" in main
+    kernel = kernel_of(after)
+    for offset in ("128 + ", "256 + "):  # k and v start 2 heads x 64 and 4 x 64 into each packed row
+        assert offset in kernel
+    assert "bz // 2 * 24576" in kernel  # batch stride of the packed rows: 64 x 384
 
 
 def test_a_causal_mask_is_recognised_by_its_values():
@@ -151,6 +178,28 @@ def test_kernel_matches_float64_attention(batch, seq_q, seq_kv, dim, causal):
     out = torch.full_like(q, float("nan"))
     lib["attention"](*[tvm.runtime.from_dlpack(x) for x in (q, k, v, out)])
     want = reference(torch, q, k, v, scale, causal)
+    assert float((out.double() - want).abs().max()) < 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim, causal", [(64, False), (128, True)])
+def test_kernel_reads_packed_heads_and_writes_merged_rows(dim, causal):
+    """Views in the kernel: q, k, v read from one [b, s, 3 * heads * dim] tensor, the output written
+    as [b, s, heads * dim] rows, against float64 on the same data split and merged by PyTorch."""
+    torch = pytest.importorskip("torch")
+    b, s, h, scale = 2, 128, 3, 1 / math.sqrt(dim)
+    heads_first = StridedView.contiguous([b, s, 3 * h * dim]).reshape([b, s, 3, h, dim]).permute([2, 0, 3, 1, 4])
+    given = {name: ((b, s, 3 * h * dim), heads_first.slice(0, i, 1, 1).squeeze([0]).reshape([b * h, s, dim]))
+             for i, name in enumerate("qkv")}
+    given["out"] = ((b, s, h * dim), StridedView.contiguous([b, s, h * dim]).reshape([b, s, h, dim])
+                    .permute([0, 2, 1, 3]).reshape([b * h, s, dim]))
+    func = attention.kernel(b * h, s, s, dim, scale, causal, given=given).with_attr("global_symbol", "attention")
+    lib = tvm.compile(tvm.IRModule({"attention": func}), target=tvm_ext.parse_target("cuda"))
+    qkv = torch.randn(b, s, 3 * h * dim, device="cuda").half()
+    out = torch.full((b, s, h * dim), float("nan"), device="cuda").half()
+    lib["attention"](*[tvm.runtime.from_dlpack(x) for x in (qkv, qkv, qkv, out)])
+    q, k, v = qkv.view(b, s, 3, h, dim).permute(2, 0, 3, 1, 4).reshape(3, b * h, s, dim)
+    want = reference(torch, q, k, v, scale, causal).view(b, h, s, dim).transpose(1, 2).reshape(b, s, h * dim)
     assert float((out.double() - want).abs().max()) < 2e-3
 
 

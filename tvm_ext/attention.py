@@ -13,6 +13,10 @@ Every value inside the chain must have no other use. A mask is accepted when it 
 constants only and evaluates (at compile time) to the causal mask: 0 on and below the diagonal,
 -inf above; any other mask leaves the chain as it is. The kernel computes the scores in float32 and
 never rounds them to fp16, so it is at least as accurate as the chain it replaces.
+
+The kernel reads q, k and v where their producers wrote them and writes where the consumer reads:
+the reshapes, transposes, slices and broadcasts between (BERT's packed qkv split into heads, k^T,
+the heads merged back into rows) become views (schedules/strided_view.py) instead of copy kernels.
 """
 
 from __future__ import annotations
@@ -28,12 +32,16 @@ from tvm.target import Target
 
 from schedules import attention
 from schedules.device import device_of
+from schedules.strided_view import StridedView
 
 from .layout_rewrites import shape_of
 from .legalize import legalizations
 
 LOG = logging.getLogger(__name__)
 PASSING = ("relax.astype", "relax.reshape", "relax.broadcast_to")  # ops that carry the scores unchanged
+VIEWS = ("relax.reshape", "relax.permute_dims", "relax.strided_slice", "relax.squeeze", "relax.expand_dims",
+         "relax.broadcast_to")  # ops that only move elements: a view of their input
+MERGES = ("relax.reshape", "relax.permute_dims")  # views that map one to one, so they can be inverted
 OPAQUE = 8  # relax's OpPatternKind kOpaque: FuseOps never fuses it with its neighbours
 
 
@@ -57,18 +65,23 @@ class _Chain:
     """The values of one function: what each variable is bound to and how many bindings use it."""
 
     def __init__(self, func: relax.Function):
-        self.value, self.uses = {}, {}
+        self.value, self.uses, self.user = {}, {}, {}
         for block in func.body.blocks:
             for binding in block.bindings:
                 if isinstance(binding, relax.VarBinding):
                     self.value[binding.var] = binding.value
                     for var in relax.analysis.free_vars(binding.value):
                         self.uses[var] = self.uses.get(var, 0) + 1
+                        self.user[var] = binding.var
         for var in relax.analysis.free_vars(func.body.body):
             self.uses[var] = self.uses.get(var, 0) + 1
 
     def only_use(self, var) -> bool:
         return self.uses.get(var, 0) == 1
+
+    def sole_user(self, var):
+        """The binding that is the one use of `var`, or None."""
+        return self.user.get(var) if self.only_use(var) else None
 
     def producer(self, expr):
         return self.value.get(expr) if isinstance(expr, relax.Var) else None
@@ -160,26 +173,79 @@ def _match(chain: _Chain, final) -> dict | None:
         if not causal:
             LOG.debug("attention with a mask that is not causal: left as it is")
             return None
-    if not attention.fits(batch, seq_q, seq_kv, dim, causal):
+    sources = {"q": _readable(_views_of(chain, q3)), "v": _readable(_views_of(chain, v3)),
+               "k": _readable([(x, view.permute([0, 2, 1])) for x, view in _views_of(chain, kt3)]),
+               "out": _destination(chain, final)}
+    if sources["k"] is None:  # k^T computed, not a view of k: transpose it into a contiguous K
+        sources["k"] = (relax.op.permute_dims(kt3, [0, 2, 1]), StridedView.contiguous([batch, seq_kv, dim]))
+    given = {name: (view.shape if isinstance(x, relax.Call) else tuple(_shape(x)), view)
+             for name, (x, view) in sources.items()}
+    if sources["q"] is None or sources["v"] is None or not attention.fits(batch, seq_q, seq_kv, dim, causal, given=given):
         return None
-    return {"q": q3, "k": _keys(chain, kt3, batch), "v": v3, "sizes": (batch, seq_q, seq_kv, dim), "scale": scale,
-            "causal": causal}
+    return {"sources": sources, "given": given, "sizes": (batch, seq_q, seq_kv, dim), "scale": scale, "causal": causal}
 
 
-def _keys(chain: _Chain, kt3, batch: int) -> tuple:
-    """How to get K [batch, seq, dim] from K^T [batch, dim, seq]: ("reshape", k) where K^T is a
-    transpose of the last two axes of k [..., seq, dim] (the frontend's k.transpose(-1, -2); reading
-    k itself spares a transposed copy), else ("transpose", kt3)."""
-    expr = kt3
-    while _op(chain.producer(expr)) in ("relax.reshape", "relax.broadcast_to"):
-        expr = chain.producer(expr).args[0]
-    value = chain.producer(expr)
-    if _op(value) == "relax.permute_dims" and value.attrs.axes is not None:
-        axes, shape = [int(a) for a in value.attrs.axes], _shape(value.args[0])
-        rank = len(axes)
-        if axes == [*range(rank - 2), rank - 1, rank - 2] and shape and int(np.prod(shape[:-2])) == batch:
-            return "reshape", value.args[0]
-    return "transpose", kt3
+def _view_after(call: relax.Call, out_shape: list[int], view: StridedView) -> StridedView | None:
+    """`view` (of the call's input) after the layout op `call`, whose result has `out_shape`."""
+    op, rank = _op(call), len(view.axes)
+    if op == "relax.reshape":
+        return view.reshape(out_shape)
+    if op == "relax.broadcast_to":
+        return view.broadcast(out_shape)
+    if op == "relax.permute_dims":
+        return view.permute(range(rank - 1, -1, -1) if call.attrs.axes is None else [int(a) for a in call.attrs.axes])
+    if op == "relax.squeeze":
+        axes = [i for i, n in enumerate(view.shape) if n == 1] if call.attrs.axis is None else call.attrs.axis
+        return view.squeeze([int(a) % rank for a in axes])
+    if op == "relax.expand_dims":
+        return view.expand_dims([int(a) % len(out_shape) for a in call.attrs.axis])
+    axes, begins = ([int(x) for x in arg.fields] for arg in call.args[1:3])  # strided_slice
+    steps = [int(x) for x in call.args[4].fields] if len(call.args) > 4 else [1] * len(axes)
+    for axis, begin, step in zip(axes, begins, steps):
+        axis %= rank
+        view = view and view.slice(axis, begin + view.shape[axis] if begin < 0 else begin, step, out_shape[axis])
+    return view
+
+
+def _views_of(chain: _Chain, var) -> list[tuple]:
+    """(tensor, view of `var` in it) for `var` itself and for each tensor it was reshaped,
+    transposed, sliced or broadcast from, nearest first; those no view can describe are left out."""
+    path = [var]
+    while _op(chain.producer(path[-1])) in VIEWS and _shape(chain.producer(path[-1]).args[0]) is not None:
+        path.append(chain.producer(path[-1]).args[0])
+    found = []
+    for i, source in enumerate(path):
+        view = StridedView.contiguous(_shape(source))
+        for x in reversed(path[:i]):
+            view = view and _view_after(chain.producer(x), _shape(x), view)
+        if view is not None:
+            found.append((source, view))
+    return found
+
+
+def _readable(views: list[tuple]) -> tuple | None:
+    """The furthest-back (tensor, view) that the kernel's 16-byte row copies can read, or None."""
+    usable = [(x, view) for x, view in views if view.unit_stride_rows(-1, attention.COPY_ELEMS)]
+    return usable[-1] if usable else None
+
+
+def _destination(chain: _Chain, final) -> tuple:
+    """(tensor, view of `final` in it): the furthest tensor that `final` is only reshaped and
+    transposed into (the heads merged back into rows), where the kernel can write directly."""
+    path = [final]
+    while _op(chain.value.get(chain.sole_user(path[-1]))) in MERGES and _shape(chain.sole_user(path[-1])) is not None:
+        path.append(chain.sole_user(path[-1]))
+    view = StridedView.contiguous(_shape(path[-1]))
+    for x, before in zip(reversed(path[1:]), reversed(path[:-1])):  # undo each op, last first
+        call = chain.value[x]
+        if _op(call) == "relax.reshape":
+            view = view.reshape(_shape(before))
+        else:
+            axes = range(len(view.axes) - 1, -1, -1) if call.attrs.axes is None else [int(a) for a in call.attrs.axes]
+            view = view.permute(np.argsort(list(axes)))
+        if view is None:
+            return final, StridedView.contiguous(_shape(final))
+    return path[-1], view
 
 
 @relax.expr_functor.mutator
@@ -194,14 +260,11 @@ class _Rewriter(relax.PyExprMutator):
             super().visit_var_binding_(binding)
             return
         batch, seq_q, seq_kv, dim = found["sizes"]
-        kernel = attention.kernel(batch, seq_q, seq_kv, dim, found["scale"], found["causal"])
+        kernel = attention.kernel(batch, seq_q, seq_kv, dim, found["scale"], found["causal"], given=found["given"])
         gv = self.builder_.add_func(kernel.with_attrs({"op_pattern": OPAQUE, "tirx.is_scheduled": True}), "fused_attention")
-        how, keys = found["k"]
-        keys = self.visit_expr(keys)
-        keys = self.builder_.emit(relax.op.reshape(keys, [batch, seq_kv, dim]) if how == "reshape"
-                                  else relax.op.permute_dims(keys, [0, 2, 1]))
-        call = relax.call_tir(gv, [self.visit_expr(found["q"]), keys, self.visit_expr(found["v"])],
-                              relax.TensorType([batch, seq_q, dim], "float16"))
+        inputs = [self.visit_expr(found["sources"][name][0]) for name in ("q", "k", "v")]
+        inputs = [self.builder_.emit(x) if isinstance(x, relax.Call) else x for x in inputs]  # K transposed
+        call = relax.call_tir(gv, inputs, relax.TensorType(found["given"]["out"][0], "float16"))
         self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
 
 
@@ -216,7 +279,7 @@ def fuse_attention(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         if not isinstance(func, relax.Function):
             continue
         chain = _Chain(func)
-        matches = {var: found for var in chain.value if (found := _match(chain, var)) is not None}
+        matches = {found["sources"]["out"][0]: found for var in chain.value if (found := _match(chain, var)) is not None}
         if not matches:
             continue
         rewriter = _Rewriter(rewritten, matches)
