@@ -1,6 +1,6 @@
 """The `tvm_ext` Relax pipeline: legalize, fuse, schedule fused reductions with our templates.
 
-Order: spelled-out attention as one fused kernel (sm_90a, attention.py) -> top-1 sorts as maxima -> half math around reductions in float32 -> library dispatch ->
+Order: Linear layers sharing an input joined into one matmul (parallel_matmuls.py) -> spelled-out attention as one fused kernel (sm_90a, attention.py) -> top-1 sorts as maxima -> half math around reductions in float32 -> library dispatch ->
 mean/variance pairing (Welford) -> matmuls by a transposed key read it untransposed, activations
 before reshapes -> LegalizeOps (with our legalizations; on GPUs, split-K for matmuls with few
 rows) -> AnnotateTIROpPattern ->
@@ -38,6 +38,7 @@ from .attention import fuse_attention
 from .half_math import half_math_in_float
 from .legalize import legalizations
 from .narrowing import OURS, narrow_indices
+from .parallel_matmuls import combine_parallel_linears
 from .records import Database
 from .reduce_fusion import FuseReduceGroups, max_from_top_one
 from .split_k import legalization as split_k_legalization
@@ -130,7 +131,8 @@ def _check_lowers(func: tirx.PrimFunc, name: str, target: Target) -> None:
 
 
 def fused_passes(target, **options) -> list:
-    """Everything up to the fused PrimFuncs the schedules see: spelled-out attention replaced by the
+    """Everything up to the fused PrimFuncs the schedules see: Linear layers that share an input
+    joined into one matmul (parallel_matmuls.py), spelled-out attention replaced by the
     fused kernel (sm_90a), top-1 sorts that are maxima made
     maxima (before the library dispatch turns them into sort kernels), half arithmetic around
     reductions done in float32 with PyTorch's rounding points (half_math.py), library dispatch, the
@@ -141,7 +143,7 @@ def fused_passes(target, **options) -> list:
     statistics = [welford.pair_mean_with_variance] if variance == "welford" else []
     device = device_of(target)
     split_k = {"relax.matmul": split_k_legalization(device.sm_count)} if device.is_gpu else {}
-    return [fuse_attention, max_from_top_one, half_math_in_float] + relax.pipeline.library_dispatch_passes(target) + statistics + [
+    return [combine_parallel_linears, fuse_attention, max_from_top_one, half_math_in_float] + relax.pipeline.library_dispatch_passes(target) + statistics + [
         read_transposed_operand,
         activation_before_reshape,
         relax.transform.LegalizeOps(customize_legalize_map={**legalizations(variance), **split_k}),

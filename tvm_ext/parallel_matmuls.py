@@ -1,0 +1,121 @@
+"""Linear layers that read the same input, with constant weights, become one wider matmul.
+
+Why: LLaMA's MLP multiplies one input by the gate and the up weights, [512, 4096] x [4096, 11008]
+each at seq 512. Alone, each gives 4 x 43 tiles of 128 x 256, too few for a second wave on 132
+SMs, so the template takes 128 x 128 tiles two per SM (about 400 TFLOP/s, bench/results/
+h200-2026-11-22-s11-wgmma-k-major-model-shapes.json); together they are one [512, 22016] output
+with enough tiles for the faster 128 x 256 kernel (2048 rows: 490-590 TFLOP/s), and the input is
+read once. The weights are joined at compile time (they are constants), and each layer's result
+becomes a slice of the joint output, which FuseOps reads inside the consumer's kernel.
+
+    y_i = astype(matmul(x, permute_dims(W_i)), f16)   (x the same tensor, or the same reshape of it)
+ -> y = astype(matmul(x, permute_dims(concat(W_0, W_1, ...))), f16);  y_i = y[:, offset_i : offset_i + n_i]
+
+(TVM's CombineParallelMatmul needs one input variable, but the frontend reshapes the input anew for
+every Linear, and its split gives FuseOps a tuple output the matmul templates do not take.)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.ir.expr import GenericConst  # relax constants in 0.27
+
+from .layout_rewrites import shape_of
+
+LOG = logging.getLogger(__name__)
+
+
+def _op(expr) -> str:
+    return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) else ""
+
+
+def _weight(value, producer) -> np.ndarray | None:
+    """W ([n, k]) of a matmul's right operand permute_dims(W) with W constant, else None."""
+    rhs = producer.get(value) if isinstance(value, relax.Var) else value
+    if _op(rhs) != "relax.permute_dims" or not isinstance(rhs.args[0], GenericConst):
+        return None
+    axes = rhs.attrs.axes
+    if axes is not None and [int(a) for a in axes] != [1, 0]:
+        return None
+    weight = rhs.args[0].value.numpy()
+    return weight if weight.ndim == 2 else None
+
+
+def _linears(func: relax.Function) -> dict:
+    """{input key: [(astype var, matmul var, weight)]} of func's `astype(matmul(x, W^T), f16)`
+    bindings with fp16 static inputs, the matmul used only by its astype; the key is x, or
+    (x, shape) for a reshape of x, so the frontend's per-layer reshapes of one input group together."""
+    producer, uses = {}, {}
+    bindings = [b for block in func.body.blocks for b in block.bindings if isinstance(b, relax.VarBinding)]
+    for binding in bindings:
+        producer[binding.var] = binding.value
+        for var in relax.analysis.free_vars(binding.value):
+            uses[var] = uses.get(var, 0) + 1
+    for var in relax.analysis.free_vars(func.body.body):
+        uses[var] = uses.get(var, 0) + 1
+    groups: dict = {}
+    for binding in bindings:
+        cast = binding.value
+        if _op(cast) != "relax.astype" or str(cast.ty.dtype) != "float16" or not isinstance(cast.args[0], relax.Var):
+            continue
+        mm = producer.get(cast.args[0])
+        if _op(mm) != "relax.matmul" or uses.get(cast.args[0]) != 1 or str(mm.args[0].ty.dtype) != "float16":
+            continue
+        weight, lhs = _weight(mm.args[1], producer), mm.args[0]
+        shape = shape_of(lhs)
+        if weight is None or str(weight.dtype) != "float16" or shape is None or len(shape) != 2 \
+                or not all(isinstance(d, int) for d in shape) or weight.shape[1] != shape[1]:
+            continue
+        source = producer.get(lhs) if isinstance(lhs, relax.Var) else None
+        key = (source.args[0], tuple(shape)) if _op(source) == "relax.reshape" else lhs
+        groups.setdefault(key, []).append((binding.var, cast.args[0], weight))
+    return {key: group for key, group in groups.items() if len(group) > 1}
+
+
+@relax.expr_functor.mutator
+class _Combiner(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, groups: dict):
+        super().__init__(mod)
+        self.first = {group[0][1]: group for group in groups.values()}  # first matmul of a group -> group
+        self.slices = {}  # astype var -> (joint output var, column offset, columns)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        group = self.first.get(binding.var)
+        if group is not None:  # the joint matmul stands where the group's first one stood
+            weight = np.concatenate([w for *_, w in group])
+            lhs = self.visit_expr(binding.value.args[0])
+            joint = self.builder_.emit(relax.op.astype(self.builder_.emit(relax.op.matmul(
+                lhs, self.builder_.emit(relax.op.permute_dims(relax.const(weight), [1, 0])), out_dtype="float32")),
+                "float16"))
+            offset = 0
+            for cast_var, _, w in group:
+                self.slices[cast_var] = (joint, offset, w.shape[0])
+                offset += w.shape[0]
+            return
+        found = self.slices.get(binding.var)
+        if found is None:
+            super().visit_var_binding_(binding)
+            return
+        joint, offset, columns = found
+        sliced = relax.op.strided_slice(joint, axes=[1], begin=[offset], end=[offset + columns], assume_inbound=True)
+        self.set_var_remap(binding.var, self.builder_.emit(sliced, binding.var.name))
+
+
+@tvm.transform.module_pass(opt_level=0, name="TVMExtCombineParallelLinears")
+def combine_parallel_linears(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Join the Linear layers of each function that share an input (see the module docstring)."""
+    for gv, func in list(mod.functions_items()):
+        if not isinstance(func, relax.Function):
+            continue
+        groups = _linears(func)
+        if not groups:
+            continue
+        combiner = _Combiner(mod, groups)
+        combiner.builder_.update_func(gv, relax.analysis.remove_all_unused(combiner.visit_expr(func)))
+        mod = combiner.builder_.get()  # a new module: the caller's is left as it was
+        LOG.debug("%s: %s Linear layers joined", gv.name_hint, " + ".join(str(len(g)) for g in groups.values()))
+    return mod
