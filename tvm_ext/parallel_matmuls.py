@@ -1,12 +1,15 @@
-"""Linear layers that read the same input, with constant weights, become one wider matmul.
+"""Linear layers that read the same input, with constant weights, become one wider matmul (GPUs).
 
 Why: LLaMA's MLP multiplies one input by the gate and the up weights, [512, 4096] x [4096, 11008]
-each at seq 512. Alone, each gives 4 x 43 tiles of 128 x 256, too few for a second wave on 132
-SMs, so the template takes 128 x 128 tiles two per SM (about 400 TFLOP/s, bench/results/
+each at seq 512. Alone, each gives 4 x 43 tiles of 128 x 256, too few for two waves on 132 SMs,
+so the wgmma template takes 128 x 128 tiles two per SM (about 400 TFLOP/s, bench/results/
 h200-2026-11-22-s11-wgmma-k-major-model-shapes.json); together they are one [512, 22016] output
-with enough tiles for the faster 128 x 256 kernel (2048 rows: 490-590 TFLOP/s), and the input is
-read once. The weights are joined at compile time (they are constants), and each layer's result
-becomes a slice of the joint output, which FuseOps reads inside the consumer's kernel.
+with enough tiles for the faster 128 x 256 kernel, and the input is read once (H200: 2 x 113 ->
+178 us at seq 512, 2 x 346 -> 636 us at seq 2048, -s12-joined-linears-ab.json). Layers are joined
+where the joint output has those two waves of 128 x 256 tiles: LLaMA-512's q, k and v together
+(4 x 48 tiles) were slower than apart (114 against 3 x 33 us). The weights are joined at compile
+time (they are constants), and each layer's result becomes a slice of the joint output, which
+FuseOps reads inside the consumer's kernel.
 
     y_i = astype(matmul(x, permute_dims(W_i)), f16)   (x the same tensor, or the same reshape of it)
  -> y = astype(matmul(x, permute_dims(concat(W_0, W_1, ...))), f16);  y_i = y[:, offset_i : offset_i + n_i]
@@ -23,6 +26,10 @@ import numpy as np
 import tvm
 from tvm import relax
 from tvm.ir.expr import GenericConst  # relax constants in 0.27
+from tvm.target import Target
+
+from schedules import wgmma_matmul
+from schedules.device import device_of
 
 from .layout_rewrites import shape_of
 
@@ -76,6 +83,13 @@ def _linears(func: relax.Function) -> dict:
     return {key: group for key, group in groups.items() if len(group) > 1}
 
 
+def worth_joining(rows: int, columns: int, sm_count: int) -> bool:
+    """Whether a [rows, columns] output gives the waves of large tiles the wgmma heuristic wants
+    before it takes them (wgmma_matmul.PREFERENCE's first entry)."""
+    (block_m, block_n), waves, _ = wgmma_matmul.PREFERENCE[0]
+    return -(-rows // block_m) * -(-columns // block_n) >= waves * sm_count
+
+
 @relax.expr_functor.mutator
 class _Combiner(relax.PyExprMutator):
     def __init__(self, mod: tvm.IRModule, groups: dict):
@@ -108,10 +122,15 @@ class _Combiner(relax.PyExprMutator):
 @tvm.transform.module_pass(opt_level=0, name="TVMExtCombineParallelLinears")
 def combine_parallel_linears(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     """Join the Linear layers of each function that share an input (see the module docstring)."""
+    target = Target.current()
+    device = device_of(target) if target is not None else None
+    if device is None or not device.is_gpu:
+        return mod
     for gv, func in list(mod.functions_items()):
         if not isinstance(func, relax.Function):
             continue
-        groups = _linears(func)
+        groups = {key: group for key, group in _linears(func).items()
+                  if worth_joining(shape_of(group[0][1])[0], sum(w.shape[0] for *_, w in group), device.sm_count)}
         if not groups:
             continue
         combiner = _Combiner(mod, groups)
