@@ -100,6 +100,14 @@ def test_a_causal_mask_is_recognised_by_its_values():
     assert "T.min(" in text and "T.if_then_else" in text  # key tiles stop at the diagonal; above it masked
 
 
+def test_a_causal_mask_is_recognised_when_the_build_asks_for_cuda_graphs():
+    """The mask is evaluated on the CPU in a clean PassContext: the caller's CUDA-graph option there
+    asked for a CUDA runtime function, and the build failed."""
+    with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True}):
+        text = kernel_of(fused(spelled(seq=128, mask=np.triu(np.full((128, 128), -np.inf, "float32"), 1))))
+    assert "T.if_then_else" in text
+
+
 @pytest.mark.parametrize("module", [
     spelled(mask=np.where(np.eye(64), -np.inf, 0).astype("float32")),  # a constant mask, not causal
     spelled(mask=CAUSAL.T.copy()),  # the transposed causal mask
