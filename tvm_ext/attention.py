@@ -34,6 +34,7 @@ from schedules import attention
 from schedules.device import device_of
 from schedules.strided_view import StridedView
 
+from .bindings import Bindings, op_name
 from .layout_rewrites import shape_of
 from .legalize import legalizations
 
@@ -43,10 +44,6 @@ VIEWS = ("relax.reshape", "relax.permute_dims", "relax.strided_slice", "relax.sq
          "relax.broadcast_to")  # ops that only move elements: a view of their input
 MERGES = ("relax.reshape", "relax.permute_dims")  # views that map one to one, so they can be inverted
 OPAQUE = 8  # relax's OpPatternKind kOpaque: FuseOps never fuses it with its neighbours
-
-
-def _op(expr) -> str:
-    return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) else ""
 
 
 def _shape(expr) -> list[int] | None:
@@ -61,37 +58,12 @@ def _dtype(expr) -> str:
     return str(expr.ty.dtype)
 
 
-class _Chain:
-    """The values of one function: what each variable is bound to and how many bindings use it."""
-
-    def __init__(self, func: relax.Function):
-        self.value, self.uses, self.user = {}, {}, {}
-        for block in func.body.blocks:
-            for binding in block.bindings:
-                if isinstance(binding, relax.VarBinding):
-                    self.value[binding.var] = binding.value
-                    for var in relax.analysis.free_vars(binding.value):
-                        self.uses[var] = self.uses.get(var, 0) + 1
-                        self.user[var] = binding.var
-        for var in relax.analysis.free_vars(func.body.body):
-            self.uses[var] = self.uses.get(var, 0) + 1
-
-    def only_use(self, var) -> bool:
-        return self.uses.get(var, 0) == 1
-
-    def sole_user(self, var):
-        """The binding that is the one use of `var`, or None."""
-        return self.user.get(var) if self.only_use(var) else None
-
-    def producer(self, expr):
-        return self.value.get(expr) if isinstance(expr, relax.Var) else None
-
-    def upstream(self, var):
-        """From `var`, up through single-use astype/reshape/broadcast_to bindings to where the
-        scores were last changed."""
-        while _op(self.producer(var)) in PASSING and self.only_use(var):
-            var = self.producer(var).args[0]
-        return var
+def _upstream(chain: Bindings, var):
+    """From `var`, up through single-use astype/reshape/broadcast_to bindings to where the scores
+    were last changed."""
+    while op_name(chain.producer(var)) in PASSING and chain.only_use(var):
+        var = chain.producer(var).args[0]
+    return var
 
 
 def _scalar(expr) -> float | None:
@@ -100,7 +72,7 @@ def _scalar(expr) -> float | None:
     return None
 
 
-def _is_causal(chain: _Chain, mask, rows: int, cols: int) -> bool:
+def _is_causal(chain: Bindings, mask, rows: int, cols: int) -> bool:
     """Whether `mask`, computed from constants only, is 0 at and below the diagonal, -inf above."""
     bindings, todo, seen = [], [mask], set()
     while todo:
@@ -133,34 +105,34 @@ def _is_causal(chain: _Chain, mask, rows: int, cols: int) -> bool:
     return bool(np.all(values[~upper] == 0) and np.all(np.isneginf(values[upper])))
 
 
-def _match(chain: _Chain, final) -> dict | None:
+def _match(chain: Bindings, final) -> dict | None:
     """The attention chain ending in the astype-to-fp16 `final`, or None."""
     value = chain.value[final]
-    if _op(value) != "relax.astype" or _dtype(value) != "float16":
+    if op_name(value) != "relax.astype" or _dtype(value) != "float16":
         return None
     pv = chain.producer(value.args[0])
-    if _op(pv) != "relax.matmul" or not chain.only_use(value.args[0]):
+    if op_name(pv) != "relax.matmul" or not chain.only_use(value.args[0]):
         return None
     p3, v3 = pv.args
-    softmax_out = chain.upstream(p3)
+    softmax_out = _upstream(chain, p3)
     softmax = chain.producer(softmax_out)
-    if _op(softmax) != "relax.nn.softmax" or not chain.only_use(softmax_out) \
+    if op_name(softmax) != "relax.nn.softmax" or not chain.only_use(softmax_out) \
             or int(softmax.attrs.axis) not in (-1, len(_shape(softmax_out) or []) - 1):
         return None
-    scores = chain.upstream(softmax.args[0])
+    scores = _upstream(chain, softmax.args[0])
     mask, causal = None, False
-    if _op(chain.producer(scores)) == "relax.add" and chain.only_use(scores):
+    if op_name(chain.producer(scores)) == "relax.add" and chain.only_use(scores):
         lhs, mask = chain.producer(scores).args
-        scores = chain.upstream(lhs)
+        scores = _upstream(chain, lhs)
     scaling = chain.producer(scores)
-    if _op(scaling) not in ("relax.divide", "relax.multiply") or not chain.only_use(scores) \
+    if op_name(scaling) not in ("relax.divide", "relax.multiply") or not chain.only_use(scores) \
             or _scalar(scaling.args[1]) is None:
         return None
     scale = _scalar(scaling.args[1])
-    scale = 1.0 / scale if _op(scaling) == "relax.divide" else scale
-    mm_out = chain.upstream(scaling.args[0])
+    scale = 1.0 / scale if op_name(scaling) == "relax.divide" else scale
+    mm_out = _upstream(chain, scaling.args[0])
     qk = chain.producer(mm_out)
-    if _op(qk) != "relax.matmul" or not chain.only_use(mm_out):
+    if op_name(qk) != "relax.matmul" or not chain.only_use(mm_out):
         return None
     q3, kt3 = qk.args
     shapes = [_shape(x) for x in (q3, kt3, v3, final)]
@@ -188,7 +160,7 @@ def _match(chain: _Chain, final) -> dict | None:
 
 def _view_after(call: relax.Call, out_shape: list[int], view: StridedView) -> StridedView | None:
     """`view` (of the call's input) after the layout op `call`, whose result has `out_shape`."""
-    op, rank = _op(call), len(view.axes)
+    op, rank = op_name(call), len(view.axes)
     if op == "relax.reshape":
         return view.reshape(out_shape)
     if op == "relax.broadcast_to":
@@ -208,11 +180,11 @@ def _view_after(call: relax.Call, out_shape: list[int], view: StridedView) -> St
     return view
 
 
-def _views_of(chain: _Chain, var) -> list[tuple]:
+def _views_of(chain: Bindings, var) -> list[tuple]:
     """(tensor, view of `var` in it) for `var` itself and for each tensor it was reshaped,
     transposed, sliced or broadcast from, nearest first; those no view can describe are left out."""
     path = [var]
-    while _op(chain.producer(path[-1])) in VIEWS and _shape(chain.producer(path[-1]).args[0]) is not None:
+    while op_name(chain.producer(path[-1])) in VIEWS and _shape(chain.producer(path[-1]).args[0]) is not None:
         path.append(chain.producer(path[-1]).args[0])
     found = []
     for i, source in enumerate(path):
@@ -230,16 +202,16 @@ def _readable(views: list[tuple]) -> tuple | None:
     return usable[-1] if usable else None
 
 
-def _destination(chain: _Chain, final) -> tuple:
+def _destination(chain: Bindings, final) -> tuple:
     """(tensor, view of `final` in it): the furthest tensor that `final` is only reshaped and
     transposed into (the heads merged back into rows), where the kernel can write directly."""
     path = [final]
-    while _op(chain.value.get(chain.sole_user(path[-1]))) in MERGES and _shape(chain.sole_user(path[-1])) is not None:
+    while op_name(chain.value.get(chain.sole_user(path[-1]))) in MERGES and _shape(chain.sole_user(path[-1])) is not None:
         path.append(chain.sole_user(path[-1]))
     view = StridedView.contiguous(_shape(path[-1]))
     for x, before in zip(reversed(path[1:]), reversed(path[:-1])):  # undo each op, last first
         call = chain.value[x]
-        if _op(call) == "relax.reshape":
+        if op_name(call) == "relax.reshape":
             view = view.reshape(_shape(before))
         else:
             axes = range(len(view.axes) - 1, -1, -1) if call.attrs.axes is None else [int(a) for a in call.attrs.axes]
@@ -279,7 +251,7 @@ def fuse_attention(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     for gv, func in mod.functions_items():
         if not isinstance(func, relax.Function):
             continue
-        chain = _Chain(func)
+        chain = Bindings(func)
         matches = {found["sources"]["out"][0]: found for var in chain.value if (found := _match(chain, var)) is not None}
         if not matches:
             continue

@@ -21,6 +21,8 @@ import tvm_ffi
 from tvm import relax, te
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .bindings import op_name
+
 ACTIVATIONS = {"relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.silu", "relax.nn.relu", "relax.sigmoid",
                "relax.tanh"}
 
@@ -30,10 +32,6 @@ def matmul_nt_te(a: te.Tensor, b: te.Tensor, out_dtype: str) -> te.Tensor:
     k = te.reduce_axis((0, a.shape[-1]), name="k")
     return te.compute((*a.shape[:-1], b.shape[-2]), lambda *i: te.sum(
         a[(*i[:-1], k)].astype(out_dtype) * b[(*i[:-2], i[-1], k)].astype(out_dtype), axis=k), name="matmul")
-
-
-def _op_name(expr) -> str | None:
-    return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) else None
 
 
 def shape_of(expr) -> list | None:
@@ -46,7 +44,7 @@ def shape_of(expr) -> list | None:
 class _ReadTransposedOperand(PyExprMutator):
     def visit_call_(self, call):
         call = self.visit_expr_post_order(call)
-        if _op_name(call) != "relax.matmul" or len(shape_of(call.args[0]) or []) < 3:
+        if op_name(call) != "relax.matmul" or len(shape_of(call.args[0]) or []) < 3:
             return call
         source = self._untransposed(call.args[1])
         if source is None:
@@ -63,7 +61,7 @@ class _ReadTransposedOperand(PyExprMutator):
         only merge leading dims and broadcast_to that changes nothing; else None."""
         while isinstance(expr, relax.Var):
             bound = self.lookup_binding(expr)
-            name = _op_name(bound)
+            name = op_name(bound)
             if name == "relax.permute_dims":
                 rank = len(shape_of(bound) or [])
                 axes = [int(a) for a in bound.attrs.axes] if bound.attrs.axes is not None else None
@@ -96,7 +94,7 @@ def _rewrite(mod: tvm.IRModule, rewriter_class, wanted) -> tvm.IRModule:
 
 def _has_batched_matmul(func) -> bool:
     found = []
-    tvm_ffi.structural_walk(func.body, (relax.Call, lambda c: found.append(c) if _op_name(c) == "relax.matmul"
+    tvm_ffi.structural_walk(func.body, (relax.Call, lambda c: found.append(c) if op_name(c) == "relax.matmul"
                                         and len(shape_of(c.args[0]) or []) >= 3 else None), order="pre")
     return bool(found)
 
@@ -111,12 +109,12 @@ class _ActivationBeforeReshape(PyExprMutator):
         if not call.args or not isinstance(call.args[0], relax.Var):
             return call
         bound = self.lookup_binding(call.args[0])
-        if _op_name(bound) != "relax.reshape" or not isinstance(bound.args[0], relax.Var):
+        if op_name(bound) != "relax.reshape" or not isinstance(bound.args[0], relax.Var):
             return call
         source = bound.args[0]
-        if _op_name(call) == "relax.reshape":
+        if op_name(call) == "relax.reshape":
             return source if shape_of(call) == shape_of(source) else relax.op.reshape(source, call.args[1])
-        if _op_name(call) not in ACTIVATIONS or len(call.args) != 1:
+        if op_name(call) not in ACTIVATIONS or len(call.args) != 1:
             return call
         return relax.op.reshape(self.builder_.emit(relax.Call(call.op, [source], call.attrs)), bound.args[1])
 

@@ -31,19 +31,16 @@ from tvm.target import Target
 from schedules import wgmma_matmul
 from schedules.device import device_of
 
+from .bindings import Bindings, op_name
 from .layout_rewrites import shape_of
 
 LOG = logging.getLogger(__name__)
 
 
-def _op(expr) -> str:
-    return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) else ""
-
-
-def _weight(value, producer) -> np.ndarray | None:
+def _weight(value, chain: Bindings) -> np.ndarray | None:
     """W ([n, k]) of a matmul's right operand permute_dims(W) with W constant, else None."""
-    rhs = producer.get(value) if isinstance(value, relax.Var) else value
-    if _op(rhs) != "relax.permute_dims" or not isinstance(rhs.args[0], GenericConst):
+    rhs = chain.producer(value) if isinstance(value, relax.Var) else value
+    if op_name(rhs) != "relax.permute_dims" or not isinstance(rhs.args[0], GenericConst):
         return None
     axes = rhs.attrs.axes
     if axes is not None and [int(a) for a in axes] != [1, 0]:
@@ -56,30 +53,22 @@ def _linears(func: relax.Function) -> dict:
     """{input key: [(astype var, matmul var, weight)]} of func's `astype(matmul(x, W^T), f16)`
     bindings with fp16 static inputs, the matmul used only by its astype; the key is x, or
     (x, shape) for a reshape of x, so the frontend's per-layer reshapes of one input group together."""
-    producer, uses = {}, {}
-    bindings = [b for block in func.body.blocks for b in block.bindings if isinstance(b, relax.VarBinding)]
-    for binding in bindings:
-        producer[binding.var] = binding.value
-        for var in relax.analysis.free_vars(binding.value):
-            uses[var] = uses.get(var, 0) + 1
-    for var in relax.analysis.free_vars(func.body.body):
-        uses[var] = uses.get(var, 0) + 1
+    chain = Bindings(func)
     groups: dict = {}
-    for binding in bindings:
-        cast = binding.value
-        if _op(cast) != "relax.astype" or str(cast.ty.dtype) != "float16" or not isinstance(cast.args[0], relax.Var):
+    for var, cast in chain.value.items():
+        if op_name(cast) != "relax.astype" or str(cast.ty.dtype) != "float16" or not isinstance(cast.args[0], relax.Var):
             continue
-        mm = producer.get(cast.args[0])
-        if _op(mm) != "relax.matmul" or uses.get(cast.args[0]) != 1 or str(mm.args[0].ty.dtype) != "float16":
+        mm = chain.producer(cast.args[0])
+        if op_name(mm) != "relax.matmul" or not chain.only_use(cast.args[0]) or str(mm.args[0].ty.dtype) != "float16":
             continue
-        weight, lhs = _weight(mm.args[1], producer), mm.args[0]
+        weight, lhs = _weight(mm.args[1], chain), mm.args[0]
         shape = shape_of(lhs)
         if weight is None or str(weight.dtype) != "float16" or shape is None or len(shape) != 2 \
                 or not all(isinstance(d, int) for d in shape) or weight.shape[1] != shape[1]:
             continue
-        source = producer.get(lhs) if isinstance(lhs, relax.Var) else None
-        key = (source.args[0], tuple(shape)) if _op(source) == "relax.reshape" else lhs
-        groups.setdefault(key, []).append((binding.var, cast.args[0], weight))
+        source = chain.producer(lhs)
+        key = (source.args[0], tuple(shape)) if op_name(source) == "relax.reshape" else lhs
+        groups.setdefault(key, []).append((var, cast.args[0], weight))
     return {key: group for key, group in groups.items() if len(group) > 1}
 
 
