@@ -69,8 +69,8 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
                          f"causal={causal} with {warpgroups} warpgroups and {block_n}-key tiles"
                          + (" and these operand views" if given else ""))
     views = operands(batch, seq_q, seq_kv, dim, given)
-    (q_shape, q_at), (k_shape, k_at), (v_shape, v_at), (out_shape, out_at) = (views[name] for name in OPERANDS)
-    q_at, k_at, v_at, out_at = (view.element for view in (q_at, k_at, v_at, out_at))
+    (q_shape, q_at), (k_shape, k_at), (v_shape, v_at), (out_shape, out_at) = (
+        (shape, view.element) for shape, view in (views[name] for name in OPERANDS))
     bm, threads = warpgroups * ROWS, warpgroups * WARPGROUP
     q_elems, p_elems, kv_elems = bm * dim, bm * block_n, block_n * dim
     p_base = q_elems

@@ -35,7 +35,7 @@ from schedules.device import device_of
 from schedules.strided_view import StridedView
 
 from .bindings import Bindings, op_name
-from .layout_rewrites import shape_of
+from .layout_rewrites import static_shape
 from .legalize import legalizations
 
 LOG = logging.getLogger(__name__)
@@ -44,14 +44,6 @@ VIEWS = ("relax.reshape", "relax.permute_dims", "relax.strided_slice", "relax.sq
          "relax.broadcast_to")  # ops that only move elements: a view of their input
 MERGES = ("relax.reshape", "relax.permute_dims")  # views that map one to one, so they can be inverted
 OPAQUE = 8  # relax's OpPatternKind kOpaque: FuseOps never fuses it with its neighbours
-
-
-def _shape(expr) -> list[int] | None:
-    """A tensor's dims when all are static."""
-    if not isinstance(expr.ty, relax.TensorType) or not isinstance(expr.ty.shape, relax.ShapeExpr):
-        return None
-    dims = shape_of(expr)
-    return dims if dims is not None and all(isinstance(d, int) for d in dims) else None
 
 
 def _dtype(expr) -> str:
@@ -117,7 +109,7 @@ def _match(chain: Bindings, final) -> dict | None:
     softmax_out = _upstream(chain, p3)
     softmax = chain.producer(softmax_out)
     if op_name(softmax) != "relax.nn.softmax" or not chain.only_use(softmax_out) \
-            or int(softmax.attrs.axis) not in (-1, len(_shape(softmax_out) or []) - 1):
+            or int(softmax.attrs.axis) not in (-1, len(static_shape(softmax_out) or []) - 1):
         return None
     scores = _upstream(chain, softmax.args[0])
     mask, causal = None, False
@@ -135,7 +127,7 @@ def _match(chain: Bindings, final) -> dict | None:
     if op_name(qk) != "relax.matmul" or not chain.only_use(mm_out):
         return None
     q3, kt3 = qk.args
-    shapes = [_shape(x) for x in (q3, kt3, v3, final)]
+    shapes = [static_shape(x) for x in (q3, kt3, v3, final)]
     if any(s is None or len(s) != 3 for s in shapes) or any(_dtype(x) != "float16" for x in (q3, kt3, v3)):
         return None
     (batch, seq_q, dim), (_, _, seq_kv) = shapes[0], shapes[1]
@@ -149,13 +141,20 @@ def _match(chain: Bindings, final) -> dict | None:
     sources = {"q": _readable(_views_of(chain, q3)), "v": _readable(_views_of(chain, v3)),
                "k": _readable([(x, view.permute([0, 2, 1])) for x, view in _views_of(chain, kt3)]),
                "out": _destination(chain, final)}
+    if sources["q"] is None or sources["v"] is None:  # rows the 16-byte copies cannot read
+        return None
     if sources["k"] is None:  # k^T computed, not a view of k: transpose it into a contiguous K
         sources["k"] = (relax.op.permute_dims(kt3, [0, 2, 1]), StridedView.contiguous([batch, seq_kv, dim]))
-    given = {name: (view.shape if isinstance(x, relax.Call) else tuple(_shape(x)), view)
+    given = {name: (view.shape if isinstance(x, relax.Call) else tuple(static_shape(x)), view)
              for name, (x, view) in sources.items()}
-    if sources["q"] is None or sources["v"] is None or not attention.fits(batch, seq_q, seq_kv, dim, causal, given=given):
+    if not attention.fits(batch, seq_q, seq_kv, dim, causal, given=given):
         return None
     return {"sources": sources, "given": given, "sizes": (batch, seq_q, seq_kv, dim), "scale": scale, "causal": causal}
+
+
+def _permutation(call: relax.Call, rank: int) -> list[int]:
+    """The axes of a permute_dims call (none given: all reversed)."""
+    return list(range(rank - 1, -1, -1)) if call.attrs.axes is None else [int(a) for a in call.attrs.axes]
 
 
 def _view_after(call: relax.Call, out_shape: list[int], view: StridedView) -> StridedView | None:
@@ -166,7 +165,7 @@ def _view_after(call: relax.Call, out_shape: list[int], view: StridedView) -> St
     if op == "relax.broadcast_to":
         return view.broadcast(out_shape)
     if op == "relax.permute_dims":
-        return view.permute(range(rank - 1, -1, -1) if call.attrs.axes is None else [int(a) for a in call.attrs.axes])
+        return view.permute(_permutation(call, rank))
     if op == "relax.squeeze":
         axes = [i for i, n in enumerate(view.shape) if n == 1] if call.attrs.axis is None else call.attrs.axis
         return view.squeeze([int(a) % rank for a in axes])
@@ -184,13 +183,13 @@ def _views_of(chain: Bindings, var) -> list[tuple]:
     """(tensor, view of `var` in it) for `var` itself and for each tensor it was reshaped,
     transposed, sliced or broadcast from, nearest first; those no view can describe are left out."""
     path = [var]
-    while op_name(chain.producer(path[-1])) in VIEWS and _shape(chain.producer(path[-1]).args[0]) is not None:
+    while op_name(chain.producer(path[-1])) in VIEWS and static_shape(chain.producer(path[-1]).args[0]) is not None:
         path.append(chain.producer(path[-1]).args[0])
     found = []
     for i, source in enumerate(path):
-        view = StridedView.contiguous(_shape(source))
+        view = StridedView.contiguous(static_shape(source))
         for x in reversed(path[:i]):
-            view = view and _view_after(chain.producer(x), _shape(x), view)
+            view = view and _view_after(chain.producer(x), static_shape(x), view)
         if view is not None:
             found.append((source, view))
     return found
@@ -206,18 +205,17 @@ def _destination(chain: Bindings, final) -> tuple:
     """(tensor, view of `final` in it): the furthest tensor that `final` is only reshaped and
     transposed into (the heads merged back into rows), where the kernel can write directly."""
     path = [final]
-    while op_name(chain.value.get(chain.sole_user(path[-1]))) in MERGES and _shape(chain.sole_user(path[-1])) is not None:
+    while op_name(chain.value.get(chain.sole_user(path[-1]))) in MERGES and static_shape(chain.sole_user(path[-1])) is not None:
         path.append(chain.sole_user(path[-1]))
-    view = StridedView.contiguous(_shape(path[-1]))
+    view = StridedView.contiguous(static_shape(path[-1]))
     for x, before in zip(reversed(path[1:]), reversed(path[:-1])):  # undo each op, last first
         call = chain.value[x]
         if op_name(call) == "relax.reshape":
-            view = view.reshape(_shape(before))
+            view = view.reshape(static_shape(before))
         else:
-            axes = range(len(view.axes) - 1, -1, -1) if call.attrs.axes is None else [int(a) for a in call.attrs.axes]
-            view = view.permute(np.argsort(list(axes)))
+            view = view.permute(np.argsort(_permutation(call, len(view.axes))))
         if view is None:
-            return final, StridedView.contiguous(_shape(final))
+            return final, StridedView.contiguous(static_shape(final))
     return path[-1], view
 
 
@@ -256,8 +254,7 @@ def fuse_attention(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         if not matches:
             continue
         rewriter = _Rewriter(rewritten, matches)
-        new_func = rewriter.visit_expr(func)
+        rewriter.builder_.update_func(gv, relax.analysis.remove_all_unused(rewriter.visit_expr(func)))
         rewritten = rewriter.builder_.get()
-        rewritten[gv] = relax.analysis.remove_all_unused(new_func)
         LOG.debug("%s: %d attention chain(s) fused", gv.name_hint, len(matches))
     return rewritten

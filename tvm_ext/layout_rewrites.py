@@ -40,6 +40,14 @@ def shape_of(expr) -> list | None:
     return None if shape is None else [int(d) if isinstance(d, tvm.tirx.IntImm) else d for d in shape.values]
 
 
+def static_shape(expr) -> list[int] | None:
+    """A tensor's dims when all are static, else None."""
+    if not isinstance(expr.ty, relax.TensorType) or not isinstance(expr.ty.shape, relax.ShapeExpr):
+        return None
+    dims = shape_of(expr)
+    return dims if dims is not None and all(isinstance(d, int) for d in dims) else None
+
+
 @mutator
 class _ReadTransposedOperand(PyExprMutator):
     def visit_call_(self, call):

@@ -32,7 +32,7 @@ from schedules import wgmma_matmul
 from schedules.device import device_of
 
 from .bindings import Bindings, op_name
-from .layout_rewrites import shape_of
+from .layout_rewrites import shape_of, static_shape
 
 LOG = logging.getLogger(__name__)
 
@@ -62,9 +62,9 @@ def _linears(func: relax.Function) -> dict:
         if op_name(mm) != "relax.matmul" or not chain.only_use(cast.args[0]) or str(mm.args[0].ty.dtype) != "float16":
             continue
         weight, lhs = _weight(mm.args[1], chain), mm.args[0]
-        shape = shape_of(lhs)
+        shape = static_shape(lhs)
         if weight is None or str(weight.dtype) != "float16" or shape is None or len(shape) != 2 \
-                or not all(isinstance(d, int) for d in shape) or weight.shape[1] != shape[1]:
+                or weight.shape[1] != shape[1]:
             continue
         source = chain.producer(lhs)
         key = (source.args[0], tuple(shape)) if op_name(source) == "relax.reshape" else lhs
