@@ -22,7 +22,12 @@ template writes the kernel itself:
 - consecutive blocks walk down `group` rows of tiles before the next column (B's columns stay in L2).
 
 Shapes: fp16 operands, f32 accumulation, static sizes, M a multiple of 64, N and K of 64, A read
-along k. Anything else is left to the thread-level template.
+along k. Anything else is left to the thread-level template (at 4096 x 1000 x 1024 with an fp32 C,
+wgmma tiles passing N's edge made 234-263 TFLOP/s against its 258-277). The last column of tiles
+may pass C's edge by a little: its copies of B repeat B's last columns there and nothing past the
+edge is stored. So a 128 x 224 tile over a k-major B can make whole waves of blocks where 128 x 256
+leaves the last one half empty (512 x 22016 x 4096: 396 blocks, three waves of 132, against 344;
+510 TFLOP/s against 484 on an H200, bench/results/h200-2026-11-22-s13-partial-tiles.json).
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ WARPGROUP = 128
 SWIZZLE_128B = 3  # the descriptor helper's code for 128-byte swizzling
 ATOM_BYTES = 1024  # 8 rows of 128 bytes: the swizzle pattern repeats at this stride
 OUTPUT_PAD = 8  # fp16 elements after each staged output row: the 8 rows a warp writes at once start in different banks
-TILES = [(128, 256), (128, 128), (64, 256), (64, 128), (64, 64)]  # (block_m, block_n), largest first
+TILES = [(128, 256), (128, 224), (128, 192), (128, 128), (64, 256), (64, 128), (64, 64)]  # (block_m, block_n), largest first
+WIDE = (256, 224, 192)  # widths of a 128-row tile alone on its SM, among which the heuristic fills the last wave
+MOST_WASTED = 0.1  # of C's columns a row of tiles may pass its edge by (a partial last tile)
 TWO_PER_SM = matmul.MAX_SHARED // 2 - 1024  # shared bytes a block may take and share its SM (the driver keeps 1 KB per block)
 
 
@@ -93,8 +100,19 @@ def _points(found) -> list[dict]:
     if found is None:
         return []
     *_, m, n, _ = _sizes(found)
+    b_n_major = not matmul.k_is_last(found[0])[1]
     return [{"strategy": NAME, "block_m": bm, "block_n": bn, "stages": stages, "group": _group(m // bm)}
-            for bm, bn in TILES if m % bm == 0 and n % bn == 0 for stages in _stage_counts(bm, bn)]
+            for bm, bn in TILES if m % bm == 0 and _width_fits(bn, n, b_n_major) for stages in _stage_counts(bm, bn)]
+
+
+def _width_fits(bn: int, n: int, b_n_major: bool) -> bool:
+    """Whether tiles `bn` wide cover N columns without passing C's edge by more than MOST_WASTED of
+    them; an n-major B comes in 64-column atoms, so its tiles are whole atoms."""
+    return (bn % 64 == 0 or not b_n_major) and _tiles(n, bn) * bn - n <= MOST_WASTED * n
+
+
+def _tiles(size: int, tile: int) -> int:
+    return -(-size // tile)
 
 
 def _group(row_tiles: int) -> int:
@@ -158,11 +176,23 @@ def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule]
     by_tile: dict = {}
     for knobs in space:  # each tile's points: most stages first
         by_tile.setdefault((knobs["block_m"], knobs["block_n"]), []).append(knobs)
-    blocks = {(bm, bn): math.prod(batch) * m // bm * n // bn for bm, bn in by_tile}
+    blocks = {(bm, bn): math.prod(batch) * m // bm * _tiles(n, bn) for bm, bn in by_tile}
     tile, stages = next(((tile, stages) for tile, waves, stages in PREFERENCE
                          if tile in by_tile and blocks[tile] >= waves * sm_count), (max(blocks, key=blocks.get), "two per SM"))
+    if stages == "most":
+        tile = _fullest_waves(tile, [t for t in by_tile if t[0] == tile[0] and t[1] in WIDE], blocks, sm_count)
     knobs = by_tile[tile][0 if stages == "most" else -1]
     return knobs, _apply(func, found, knobs)
+
+
+def _fullest_waves(tile, tiles: list, blocks: dict, sm_count: int):
+    """The tile of `tiles` (one block per SM) whose waves of blocks span the fewest columns, where
+    that is at least 5% fewer than `tile`'s: the last wave of wider tiles may be half empty."""
+    def span(t):
+        return _tiles(blocks[t], sm_count) * t[1]
+
+    best = min(tiles, key=span, default=tile)
+    return best if span(best) <= 0.95 * span(tile) else tile
 
 
 def _epilogue(sch, epilogue: list, accumulator: tirx.Buffer):
@@ -205,7 +235,8 @@ def _apply(func: tirx.PrimFunc, found, knobs: dict) -> s_tir.Schedule | None:
     block, folded = found
     bm, bn, stages, group = (int(knobs.get(x, 0)) for x in ("block_m", "block_n", "stages", "group"))
     *batch, m, n, k = _sizes(found)
-    if bm % ROWS or bn % 64 or bn > 256 or m % bm or n % bn or stages < 2 + _in_flight(bm, bn, stages) or group and m // bm % group \
+    if bm % ROWS or bn % 32 or bn > 256 or m % bm or not _width_fits(bn, n, not matmul.k_is_last(block)[1]) \
+            or stages < 2 + _in_flight(bm, bn, stages) or group and m // bm % group \
             or not _output_bytes(bm, bn) <= stages * stage_bytes(bm, bn) <= matmul.MAX_SHARED:
         return None
     return s_tir.Schedule(func.with_body(_kernel(block, folded, bm, bn, stages, group, batch, m, n, k).body))
@@ -225,6 +256,15 @@ def _kernel(block, folded, bm, bn, stages, group, batch, m, n, k) -> tirx.PrimFu
     in_flight = _in_flight(bm, bn, stages)
     k_tiles, ahead = k // K_TILE, min(stages - 1 - in_flight, k // K_TILE)  # in flight: stage kt - 1 may still be read
     regs = bn // 2
+    columns, partial = _tiles(n, bn), n % bn != 0
+
+    def within(index, last):
+        """`index`, held at `last` where the last column of tiles passes C's edge."""
+        return T.min(index, last) if partial else index
+
+    def inside(column):
+        """Whether C has `column` (always, unless the last column of tiles passes its edge)."""
+        return column < n if partial else T.bool(True)
 
     def at(load, bindings):
         """The element of `load`'s buffer at the matmul's iterators bound to `bindings`."""
@@ -249,10 +289,10 @@ def _kernel(block, folded, bm, bn, stages, group, batch, m, n, k) -> tirx.PrimFu
         if b_n_major:  # [k, n]: 64-column atoms, each K_TILE rows of 128 bytes
             krow, piece = chunk // (bn // 8), chunk % (bn // 8)
             dst = slot * stage_elems + a_elems + swizzled(krow, piece * 8, K_TILE)
-            return dst, at(b_load, {**batch_of(bz), k_var: tile * K_TILE + krow, col_var: bx * bn + piece * 8})
+            return dst, at(b_load, {**batch_of(bz), k_var: tile * K_TILE + krow, col_var: within(bx * bn + piece * 8, n - 8)})
         col, piece = chunk // 8, chunk % 8  # [n, k]: rows of 64 k, like A
         dst = slot * stage_elems + a_elems + swizzled(col, piece * 8, bn)
-        return dst, at(b_load, {**batch_of(bz), col_var: bx * bn + col, k_var: tile * K_TILE + piece * 8})
+        return dst, at(b_load, {**batch_of(bz), col_var: within(bx * bn + col, n - 1), k_var: tile * K_TILE + piece * 8})
 
     def indices(bz, row, col):
         """The output's indices at the matmul's row and column, and their bindings."""
@@ -269,8 +309,8 @@ def _kernel(block, folded, bm, bn, stages, group, batch, m, n, k) -> tirx.PrimFu
         """(column, row) of C's tile for block `tile`: with `group`, consecutive blocks walk down
         `group` rows of tiles before the next column (they share B's columns while in L2)."""
         if not group:
-            return tile % (n // bn), tile // (n // bn)
-        per_group = group * (n // bn)
+            return tile % columns, tile // columns
+        per_group = group * columns
         return tile % per_group // group, tile // per_group * group + tile % group
 
     b_lbo = K_TILE * 128 // 16 if b_n_major else 1  # n-major: from one 64-column atom to the next
@@ -282,7 +322,7 @@ def _kernel(block, folded, bm, bn, stages, group, batch, m, n, k) -> tirx.PrimFu
     @T.prim_func(check_well_formed=False)
     def kernel():
         bz = T.launch_thread("blockIdx.z", grid_z)
-        tile = T.launch_thread("blockIdx.x", n // bn * (m // bm))
+        tile = T.launch_thread("blockIdx.x", columns * (m // bm))
         bx, by = T.meta_var(raster(tile))
         tx = T.launch_thread("threadIdx.x", threads)
         smem = T.alloc_buffer((stages * stage_elems,), "float16", scope="shared.dyn")
@@ -328,16 +368,18 @@ def _kernel(block, folded, bm, bn, stages, group, batch, m, n, k) -> tirx.PrimFu
             T.tvm_storage_sync("shared")  # every warpgroup's last wgmma has read its operands
             for r in T.unroll(regs):
                 row, col = T.meta_var(accumulator_position(tx, r))
-                smem[row * row_stride + col] = result(bz, by * bm + row, bx * bn + col, acc[r])
+                smem[row * row_stride + col] = result(bz, by * bm + row, within(bx * bn + col, n - 1), acc[r])
             T.tvm_storage_sync("shared")
             for i in T.unroll(bm * bn // 8 // threads):
-                for v in T.vectorized(8):
-                    row, col = T.meta_var(((tx + i * threads) // (bn // 8), (tx + i * threads) % (bn // 8) * 8 + v))
-                    T.buffer_store(out, smem[row * row_stride + col], indices(bz, by * bm + row, bx * bn + col)[0])
+                if inside(bx * bn + (tx + i * threads) % (bn // 8) * 8):  # 8 columns, all inside C or none
+                    for v in T.vectorized(8):
+                        row, col = T.meta_var(((tx + i * threads) // (bn // 8), (tx + i * threads) % (bn // 8) * 8 + v))
+                        T.buffer_store(out, smem[row * row_stride + col], indices(bz, by * bm + row, bx * bn + col)[0])
         else:
             for r in T.unroll(regs):
                 row, col = T.meta_var(accumulator_position(tx, r))
-                T.buffer_store(out, result(bz, by * bm + row, bx * bn + col, acc[r]), indices(bz, by * bm + row, bx * bn + col)[0])
+                if inside(bx * bn + col):
+                    T.buffer_store(out, result(bz, by * bm + row, bx * bn + col, acc[r]), indices(bz, by * bm + row, bx * bn + col)[0])
 
     return kernel
 

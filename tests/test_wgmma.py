@@ -36,16 +36,40 @@ def linear_gelu(m, n, k):
     return main_module(body, [x, w, bias])
 
 
-def test_the_template_takes_fp16_matmuls_of_whole_64_tiles_only():
+def k_major(m, n, k):
+    """C = A @ W^T with W stored [n, k], as torch.nn.Linear keeps it."""
+    a, w = te.placeholder((m, k), "float16", name="a"), te.placeholder((n, k), "float16", name="w")
+    r = te.reduce_axis((0, k), name="k")
+    return te.create_prim_func([a, w, te.compute(
+        (m, n), lambda i, j: te.sum(a[i, r].astype("float32") * w[j, r].astype("float32"), axis=r), name="c")])
+
+
+def tiles(space) -> list:
+    return list(dict.fromkeys((p["block_m"], p["block_n"]) for p in space))
+
+
+def test_the_template_takes_fp16_matmuls_of_whole_64_row_tiles():
     space = wgmma_matmul.knob_space(template_func(256, 512, 256))
-    assert list(dict.fromkeys((p["block_m"], p["block_n"]) for p in space)) == \
-        [(128, 256), (128, 128), (64, 256), (64, 128), (64, 64)]
+    assert tiles(space) == [(128, 256), (128, 128), (64, 256), (64, 128), (64, 64)]
     assert [p["stages"] for p in space if (p["block_m"], p["block_n"]) == (64, 128)] == [8, 4]  # one block, two per SM
     assert wgmma_matmul.knob_space(template_func(4096, 1000, 1024)) == []  # N not a multiple of 64
     assert wgmma_matmul.knob_space(template_func(16, 4096, 4096)) == []  # fewer rows than a warpgroup's 64
     assert wgmma_matmul.knob_space(template_func(256, 512, 256, "bfloat16")) == []
     assert wgmma_matmul.knob_space(template_func(256, 512, 256, "int8", "int32")) == []
     assert wgmma_matmul.apply(template_func(256, 512, 256), {"block_m": 128, "block_n": 256, "stages": 5}) is None  # 240 KB
+
+
+def test_the_last_column_of_tiles_may_pass_the_edge_of_c():
+    # an n-major B comes in 64-column atoms: whole-atom tiles passing N = 2240 by at most 10% of it
+    assert tiles(wgmma_matmul.knob_space(template_func(256, 2240, 128))) == \
+        [(128, 256), (128, 192), (128, 128), (64, 256), (64, 128), (64, 64)]
+    # a k-major B (nn.Linear's [n, k]) also takes the narrower tiles: 3 x 224 passes 640 by 32, 3 x 256 by 128
+    assert tiles(wgmma_matmul.knob_space(k_major(256, 640, 128))) == [(128, 224), (128, 128), (64, 128), (64, 64)]
+    for func, block_n, n, last_copied in ((template_func(256, 2240, 128), 256, 2240, 2240 - 8),  # 8-column copies
+                                          (k_major(256, 640, 128), 224, 640, 640 - 1)):  # a row of k per column
+        kernel = wgmma_matmul.apply(func, {"block_m": 128, "block_n": block_n, "stages": 2}).mod["main"]
+        assert f", {last_copied})" in cuda_source(kernel)  # B's columns past the edge: copies of its last ones
+        assert f" < {n}:" in kernel.script()  # and C is stored inside its edge only (simplified per column in CUDA)
 
 
 def test_only_sm_90a_targets_get_it():
@@ -62,6 +86,14 @@ def test_a_full_wave_of_blocks_picks_the_tile():
     assert small["group"] == 8  # 8 rows of tiles: blocks walk down 8 of them per column of tiles
 
 
+def test_tiles_alone_on_their_sm_are_narrowed_to_fill_the_last_wave():
+    sm_90a = tvm.target.Target(SM_90A)  # 132 SMs
+    gate_and_up = dispatch.heuristic_knobs(k_major(512, 22016, 4096), sm_90a)  # LLaMA's joint gate and up projection
+    assert (gate_and_up["block_m"], gate_and_up["block_n"]) == (128, 224)  # 396 blocks: 3 whole waves (344 of 128 x 256)
+    assert dispatch.heuristic_knobs(k_major(4096, 4096, 4096), sm_90a)["block_n"] == 256  # 512 of 528: stays
+    assert dispatch.heuristic_knobs(k_major(1024, 11008, 4096), sm_90a)["block_n"] == 256  # 224 would need 4 waves, not 3
+
+
 def test_only_a_block_alone_on_its_sm_keeps_a_wgmma_group_in_flight():
     func = template_func(256, 512, 256)
     alone = cuda_source(wgmma_matmul.apply(func, {"block_m": 128, "block_n": 256, "stages": 4}).mod["main"])  # 192 KB
@@ -72,12 +104,7 @@ def test_only_a_block_alone_on_its_sm_keeps_a_wgmma_group_in_flight():
 
 @pytest.mark.parametrize("n_major", [True, False])
 def test_the_cuda_is_warpgroup_mma_from_swizzled_shared_memory(n_major):
-    func = template_func(256, 512, 256)
-    if not n_major:
-        a, w = te.placeholder((256, 256), "float16", name="a"), te.placeholder((512, 256), "float16", name="w")
-        r = te.reduce_axis((0, 256), name="k")
-        func = te.create_prim_func([a, w, te.compute(
-            (256, 512), lambda i, j: te.sum(a[i, r].astype("float32") * w[j, r].astype("float32"), axis=r), name="c")])
+    func = template_func(256, 512, 256) if n_major else k_major(256, 512, 256)
     src = cuda_source(wgmma_matmul.apply(func, {"block_m": 128, "block_n": 128, "stages": 4}).mod["main"])
     assert src.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16") == 1  # one helper ...
     assert src.count("_m64n128k16_f32_f16_f16_1_1_0_" + ("1(" if n_major else "0(")) == 5  # ... defined, called 4x
@@ -114,13 +141,17 @@ def test_a_batch_is_blockidx_z_and_the_tiles_walk_in_groups_of_rows():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(256, 512, 256), (128, 256, 64), (1024, 11008, 4096), (3, 512, 256, 128)])
+@pytest.mark.parametrize("shape", [(256, 512, 256), (128, 256, 64), (1024, 11008, 4096), (3, 512, 256, 128),
+                                   (256, 2240, 128), ("k-major", 256, 640, 128)])
 def test_wgmma_matmul_on_gpu(shape, rng):
     *batch, m, n, k = shape
-    func = batched(*shape) if batch else template_func(m, n, k)
+    weight_rows = batch == ["k-major"]
+    batch = [] if weight_rows else batch
+    func = k_major(m, n, k) if weight_rows else batched(*shape) if batch else template_func(m, n, k)
     a = rng.standard_normal((*batch, m, k)).astype("float16")
     b = rng.standard_normal((k, n)).astype("float16")
     want = a.astype("float64") @ b.astype("float64")
+    b = np.ascontiguousarray(b.T) if weight_rows else b
     for knobs in wgmma_matmul.knob_space(func):
         lib = tvm.compile(tvm.IRModule({"main": wgmma_matmul.apply(func, knobs).mod["main"].with_attr("global_symbol", "main")}),
                           target=tvm.target.Target(SM_90A))
