@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 
-import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
