@@ -6,8 +6,9 @@ For each model and implementation: the median of `triton.testing.do_bench` (L2 f
 call, as bench/e2e.py times), the mean of 20 calls back to back, and one call's GPU timeline
 (torch.profiler, after an L2 flush): its span from the first kernel's start to the last one's end,
 the sum of its kernel times, the idle gaps between kernels, each kernel, and the host time to
-enqueue the call (the last of three: the profiler slows the first ones). A kernel-time sum averaged over many calls (bench/e2e.py's breakdown) can differ
-from one call's, which is why this looks at single calls. Writes NAME.json.
+enqueue the call (the last of three: the profiler slows the first ones). A kernel-time sum averaged
+over many calls (bench/e2e.py's breakdown) can differ from one call's, which is why this looks at
+single calls. Writes NAME.json.
 """
 
 from __future__ import annotations

@@ -114,6 +114,11 @@ def _tiles(size: int, tile: int) -> int:
     return -(-size // tile)
 
 
+def block_count(batch: int, m: int, n: int, block_m: int, block_n: int) -> int:
+    """Blocks of a launch: one per tile of C (the last column of tiles may pass its edge)."""
+    return batch * m // block_m * _tiles(n, block_n)
+
+
 def _group(row_tiles: int) -> int:
     """Rows of tiles consecutive blocks walk down before the next column: 8 (or 4) where they
     divide the rows; H200, bench/results/h200-2026-11-22-wgmma-raster.json: +2-4% on 8192^3,
@@ -175,7 +180,7 @@ def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule]
     by_tile: dict = {}
     for knobs in space:  # each tile's points: most stages first
         by_tile.setdefault((knobs["block_m"], knobs["block_n"]), []).append(knobs)
-    blocks = {(bm, bn): math.prod(batch) * m // bm * _tiles(n, bn) for bm, bn in by_tile}
+    blocks = {(bm, bn): block_count(math.prod(batch), m, n, bm, bn) for bm, bn in by_tile}
     tile, stages = next(((tile, stages) for tile, waves, stages in PREFERENCE
                          if tile in by_tile and blocks[tile] >= waves * sm_count), (max(blocks, key=blocks.get), "two per SM"))
     if stages == "most":
