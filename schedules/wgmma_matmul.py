@@ -14,6 +14,14 @@ template writes the kernel itself:
   each) ahead of the tensor cores; a block alone on its SM keeps one step's wgmma group in flight
   while it issues the next (copies then run `stages - 2` tiles ahead, never into the stage still
   read), two blocks sharing an SM hide each other's waits and copy `stages - 1` ahead;
+- or (knob `tma`) filled by the Tensor Memory Accelerator: one more warp issues a bulk tensor copy
+  per operand tile as soon as the warpgroups release its stage (an mbarrier per stage each way),
+  from descriptors the host encodes per call (`T.tensormap_encode_tiled`, passed as
+  `__grid_constant__ CUtensorMap`s). The warpgroups then only wait and multiply, and the copies
+  run ahead by every free stage. H200, -s14-tma.json: +4-27% where a block is alone on its SM
+  with 4 or more stages (4096^3 533 -> 567 TFLOP/s, 512 x 4096 x 11008 in 64 x 256 tiles 508 ->
+  586), slower with 2 stages. Clusters of two blocks each loading half of B into both (TMA
+  multicast) were measured too and gained nothing here, so are not kept;
 - shared tiles in the 128-byte swizzled layouts the descriptors name: A (and a k-major B, a
   [n, k] weight) as rows of 64 k; an n-major B ([k, n]) in atoms of 64 columns;
 - the elementwise work FuseOps put after the matmul (the cast back to fp16, a bias, a residual, an
@@ -52,6 +60,10 @@ OUTPUT_PAD = 8  # fp16 elements after each staged output row: the 8 rows a warp 
 TILES = [(128, 256), (128, 224), (128, 192), (128, 128), (64, 256), (64, 128), (64, 64)]  # (block_m, block_n), largest first
 WIDE = (256, 224, 192)  # widths of a 128-row tile alone on its SM, among which the heuristic fills the last wave
 MOST_WASTED = 0.1  # of C's columns a row of tiles may pass its edge by (a partial last tile)
+TMA_SWIZZLE_128B = 3  # CU_TENSOR_MAP_SWIZZLE_128B: the same layout the descriptors' 128-byte mode reads
+BARRIER_BYTES = 16  # per stage with TMA: its "full" and "empty" mbarriers
+PRODUCER_THREADS = 32  # the warp issuing TMA loads
+TMA_MIN_STAGES = 4
 TWO_PER_SM = matmul.MAX_SHARED // 2 - 1024  # shared bytes a block may take and share its SM (the driver keeps 1 KB per block)
 
 
@@ -90,7 +102,8 @@ def _fit(func: tirx.PrimFunc):
 
 def knob_space(func: tirx.PrimFunc) -> list[dict]:
     """Every tile that divides the matmul, each with as many stages as shared memory holds (up to
-    8) and with as many as leave room for a second block on the SM."""
+    8) and with as many as leave room for a second block on the SM; those of TMA_MIN_STAGES or more
+    also loaded by TMA where the operands allow it."""
     return _points(_fit(func))
 
 
@@ -100,8 +113,17 @@ def _points(found) -> list[dict]:
         return []
     *_, m, n, _ = _sizes(found)
     b_n_major = not matmul.k_is_last(found[0])[1]
-    return [{"strategy": NAME, "block_m": bm, "block_n": bn, "stages": stages, "group": _group(m // bm)}
-            for bm, bn in TILES if m % bm == 0 and _width_fits(bn, n, b_n_major) for stages in _stage_counts(bm, bn)]
+    points = [{"strategy": NAME, "block_m": bm, "block_n": bn, "stages": stages, "group": _group(m // bm)}
+              for bm, bn in TILES if m % bm == 0 and _width_fits(bn, n, b_n_major) for stages in _stage_counts(bm, bn)]
+    return points + [{**p, "tma": 1} for p in points if _tma_fits(found[0], p["block_m"], p["block_n"], p["stages"])]
+
+
+def _tma_fits(block, block_m: int, block_n: int, stages: int) -> bool:
+    """Whether TMA may load these stages: enough of them for the loads to run ahead (with two, TMA
+    was 5-30% slower than cp.async on an H200, -s14-tma.json), room for their barriers, operands
+    a descriptor can describe."""
+    return stages >= TMA_MIN_STAGES and stages * (stage_bytes(block_m, block_n) + BARRIER_BYTES) <= matmul.MAX_SHARED \
+        and _tma_views(block) is not None
 
 
 def _width_fits(bn: int, n: int, b_n_major: bool) -> bool:
@@ -166,26 +188,31 @@ def stage_bytes(block_m: int, block_n: int) -> int:
 # s11-*.json); else two blocks per SM, which beat one with more stages on every LLaMA and BERT shape
 # of -matmul-models.* and in the whole layers (-e2e-s11-kt-transposed.md: one block per SM made
 # LLaMA-512's 512 x 4096 projections 1.65x slower).
-PREFERENCE = [((128, 256), 1.9, "most"), ((128, 128), 1, "two per SM"), ((64, 128), 1, "two per SM")]
+# With TMA (from session 14) the tiles alone on their SM gained 4-27% (-s14-tma.json), and 64 x 256
+# ones came first on a wave of blocks: LLaMA-512's 512 x 4096 x 11008 586 TFLOP/s against 462 for
+# 64 x 128 two per SM, its 512 x 4096 x 4096 453 against 400.
+PREFERENCE = [((128, 256), 1.9, "most"), ((64, 256), 0.9, "most"), ((128, 128), 1, "two per SM"), ((64, 128), 1, "two per SM")]
 
 
 def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule] | None:
-    """The first tile of PREFERENCE that fits and gives enough blocks, with its stage count, else
-    the fitting tile giving the most blocks, two per SM."""
+    """The first tile of PREFERENCE that fits and gives enough blocks, with its stage count (loaded by
+    TMA where it may be alone on its SM), else the fitting tile giving the most blocks, two per SM."""
     found = _fit(func)
     space = _points(found)
     if not space:
         return None
     *batch, m, n, _ = _sizes(found)
     by_tile: dict = {}
-    for knobs in space:  # each tile's points: most stages first
+    for knobs in space:  # each tile's points: most stages first, then those loaded by TMA
         by_tile.setdefault((knobs["block_m"], knobs["block_n"]), []).append(knobs)
     blocks = {(bm, bn): block_count(math.prod(batch), m, n, bm, bn) for bm, bn in by_tile}
     tile, stages = next(((tile, stages) for tile, waves, stages in PREFERENCE
                          if tile in by_tile and blocks[tile] >= waves * sm_count), (max(blocks, key=blocks.get), "two per SM"))
     if stages == "most":
         tile = _fullest_waves(tile, [t for t in by_tile if t[0] == tile[0] and t[1] in WIDE], blocks, sm_count)
-    knobs = by_tile[tile][0 if stages == "most" else -1]
+    copied = [k for k in by_tile[tile] if not k.get("tma")]
+    knobs = copied[0 if stages == "most" else -1]
+    knobs = next((k for k in by_tile[tile] if stages == "most" and k.get("tma") and k["stages"] == knobs["stages"]), knobs)
     return knobs, _apply(func, found, knobs)
 
 
@@ -197,6 +224,31 @@ def _fullest_waves(tile, tiles: list, blocks: dict, sm_count: int):
 
     best = min(tiles, key=span, default=tile)
     return best if span(best) <= 0.95 * span(tile) else tile
+
+
+def tensor_view(load, block, inner, outer):
+    """How a TMA descriptor sees `load`'s buffer: (dims inner first, byte strides, coordinate of the
+    batch axes as a function of their iterators' values) with the buffer's last two axes indexed by
+    `inner` and `outer` iterators and any axes before them by distinct batch iterators (collapsed
+    into one axis); None for any other indexing."""
+    ivs = [iv.var for iv in block.iter_vars]
+    batch_vars = ivs[:-3]
+    shape, indices = [int(x) for x in load.source.shape], list(load.indices)
+    *lead, second, last = indices
+    if not (last.same_as(inner) and second.same_as(outer)) \
+            or not all(any(i.same_as(v) for v in batch_vars) for i in lead) or len(set(map(str, lead))) != len(lead):
+        return None
+    itemsize = 2
+    dims = [shape[-1], shape[-2]] + ([math.prod(shape[:-2])] if lead else [])
+    strides = [shape[-1] * itemsize] + ([shape[-1] * shape[-2] * itemsize] if lead else [])
+
+    def batch_coordinate(values: dict):
+        coordinate = 0
+        for index, extent in zip(lead, shape[:len(lead)]):
+            coordinate = coordinate * extent + next(x for v, x in values.items() if v.same_as(index))
+        return [coordinate] if lead else []
+
+    return dims, strides, batch_coordinate
 
 
 def _epilogue(sch, epilogue: list, accumulator: tirx.Buffer):
@@ -237,26 +289,29 @@ def _apply(func: tirx.PrimFunc, found, knobs: dict) -> s_tir.Schedule | None:
     if found is None:
         return None
     block, folded = found
-    bm, bn, stages, group = (int(knobs.get(x, 0)) for x in ("block_m", "block_n", "stages", "group"))
+    bm, bn, stages, group, tma = (int(knobs.get(x, 0)) for x in ("block_m", "block_n", "stages", "group", "tma"))
     *batch, m, n, k = _sizes(found)
     if bm % ROWS or bn % 32 or bn > 256 or m % bm or not _width_fits(bn, n, not matmul.k_is_last(block)[1]) \
             or stages < 2 + _in_flight(bm, bn, stages) or group and m // bm % group \
-            or not _output_bytes(bm, bn) <= stages * stage_bytes(bm, bn) <= matmul.MAX_SHARED:
+            or not _output_bytes(bm, bn) <= stages * stage_bytes(bm, bn) <= matmul.MAX_SHARED \
+            or tma and not _tma_fits(block, bm, bn, stages):
         return None
-    return s_tir.Schedule(func.with_body(_kernel(block, folded, bm, bn, stages, group, batch, m, n, k).body))
+    return s_tir.Schedule(func.with_body(_kernel(block, folded, bm, bn, stages, group, bool(tma), batch, m, n, k)))
 
 
-def _kernel(block, folded, bm, bn, stages, group, batch, m, n, k) -> tirx.PrimFunc:
-    """The loop nest, written against the original function's buffers."""
+def _kernel(block, folded, bm, bn, stages, group, tma, batch, m, n, k) -> tirx.Stmt:
+    """The loop nest, written against the original function's buffers (with TMA, after the host
+    statements that encode its descriptors)."""
     a_load, b_load = matmul.multiply_accumulate(block.body)
     ivs = [iv.var for iv in block.iter_vars]
     *batch_vars, row_var, col_var, k_var = ivs
     b_n_major = not matmul.k_is_last(block)[1]
     out, out_ivs, value, placeholder = folded
-    threads = bm // ROWS * WARPGROUP
+    consumers = bm // ROWS * WARPGROUP
+    threads = consumers + tma * PRODUCER_THREADS
     a_elems, b_elems = bm * K_TILE, bn * K_TILE
     stage_elems = a_elems + b_elems
-    a_chunks, b_chunks = a_elems // 8 // threads, b_elems // 8 // threads  # 16-byte copies per thread
+    a_chunks, b_chunks = a_elems // 8 // consumers, b_elems // 8 // consumers  # 16-byte copies per thread
     in_flight = _in_flight(bm, bn, stages)
     k_tiles, ahead = k // K_TILE, min(stages - 1 - in_flight, k // K_TILE)  # in flight: stage kt - 1 may still be read
     regs = bn // 2
@@ -283,13 +338,13 @@ def _kernel(block, folded, bm, bn, stages, group, batch, m, n, k) -> tirx.PrimFu
         return found
 
     def copy_a(slot, tile, tx, by, bz, i):
-        chunk = tx + i * threads
+        chunk = tx + i * consumers
         row, piece = chunk // 8, chunk % 8
         dst = slot * stage_elems + swizzled(row, piece * 8, bm)
         return dst, at(a_load, {**batch_of(bz), row_var: by * bm + row, k_var: tile * K_TILE + piece * 8})
 
     def copy_b(slot, tile, tx, bx, bz, i):
-        chunk = tx + i * threads
+        chunk = tx + i * consumers
         if b_n_major:  # [k, n]: 64-column atoms, each K_TILE rows of 128 bytes
             krow, piece = chunk // (bn // 8), chunk % (bn // 8)
             dst = slot * stage_elems + a_elems + swizzled(krow, piece * 8, K_TILE)
@@ -323,13 +378,46 @@ def _kernel(block, folded, bm, bn, stages, group, batch, m, n, k) -> tirx.PrimFu
     mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16"
     grid_z = math.prod(batch)
 
+    if tma:
+        a_view, b_view = _tma_views(block)
+        maps = [T.Var(name, ty=T.handle("tensormap").ty) for name in ("A_tensormap", "B_tensormap")]
+        b_box = [64, K_TILE] if b_n_major else [K_TILE, bn]  # an n-major B: one load per 64-column atom
+        host = [stmt for tensor_map, load, view, box in zip(maps, (a_load, b_load), (a_view, b_view), ([K_TILE, bm], b_box))
+                for stmt in _encode(tensor_map, load, view, box)]
+    a_map, b_map = maps if tma else (None, None)
+
+    def tma_load(tensor_map, view, dst, inner, outer, bz, bar):
+        """One TMA load of the box at (inner, outer) of the batch bz's slice, completing on `bar`."""
+        coordinates = [inner, outer, *view[2](batch_of(bz))]
+        T.evaluate(T.ptx[f"cp.async.bulk.tensor.{len(coordinates)}d.shared::cluster.global.mbarrier::complete_tx::bytes"](
+            dst, T.address_of(tensor_map), *[T.Cast("int32", c) for c in coordinates], bar))
+
+    def load_b(smem, slot, kt, bx, bz, bar):
+        """B's tile for step kt (an n-major B: one load per 64-column atom)."""
+        base = slot * stage_elems + a_elems
+        if b_n_major:
+            for j in range(bn // 64):
+                tma_load(b_map, b_view, T.address_of(smem[base + j * 64 * K_TILE]), bx * bn + j * 64, kt * K_TILE, bz, bar)
+        else:
+            tma_load(b_map, b_view, T.address_of(smem[base]), kt * K_TILE, bx * bn, bz, bar)
+
+    def multiply(acc, desc_a, desc_b, kt):
+        """Step kt's wgmma group, D += A * B over its 64 of k from stage kt % stages, committed."""
+        T.evaluate(T.ptx["wgmma.fence.sync.aligned"]())
+        for kk in range(K_TILE // 16):
+            T.evaluate(T.ptx[mma](*[acc[r] for r in range(regs)],
+                                  desc_a[0] + T.uint64((kt % stages * stage_elems * 2 + kk * 32) // 16),
+                                  desc_b[0] + T.uint64((kt % stages * stage_elems * 2 + kk * b_step) // 16),
+                                  T.bool(True), 1, 1, 0, trans_b))
+        T.evaluate(T.ptx["wgmma.commit_group.sync.aligned"]())
+
     @T.prim_func(check_well_formed=False)
     def kernel():
         bz = T.launch_thread("blockIdx.z", grid_z)
         tile = T.launch_thread("blockIdx.x", columns * (m // bm))
         bx, by = T.meta_var(raster(tile))
         tx = T.launch_thread("threadIdx.x", threads)
-        smem = T.alloc_buffer((stages * stage_elems,), "float16", scope="shared.dyn")
+        smem = T.alloc_buffer((stages * stage_elems + tma * stages * BARRIER_BYTES // 2,), "float16", scope="shared.dyn", align=ATOM_BYTES)
         acc = T.alloc_buffer((regs,), "float32", scope="local")
         desc_a = T.alloc_buffer((1,), "uint64", scope="local")
         desc_b = T.alloc_buffer((1,), "uint64", scope="local")
@@ -339,51 +427,93 @@ def _kernel(block, folded, bm, bn, stages, group, batch, m, n, k) -> tirx.PrimFu
             T.address_of(desc_a[0]), T.address_of(smem[tx // WARPGROUP * ROWS * K_TILE]), 1, ATOM_BYTES // 16, SWIZZLE_128B))
         T.evaluate(T.cuda.wgmma.encode_matrix_descriptor(
             T.address_of(desc_b[0]), T.address_of(smem[a_elems]), b_lbo, ATOM_BYTES // 16, SWIZZLE_128B))
-        for tile in T.unroll(ahead):  # prologue: the first tiles, one commit group each
-            for i in T.unroll(a_chunks):
-                dst, src = T.meta_var(copy_a(tile, tile, tx, by, bz, i))
-                T.ptx["cp.async.cg.shared.global"](T.address_of(smem[dst]), src, 16)
-            for i in T.unroll(b_chunks):
-                dst, src = T.meta_var(copy_b(tile, tile, tx, bx, bz, i))
-                T.ptx["cp.async.cg.shared.global"](T.address_of(smem[dst]), src, 16)
-            T.ptx["cp.async.commit_group"]()
-        for kt in range(k_tiles):
-            T.ptx["cp.async.wait_group"](ahead - 1)  # this thread's copies of tile kt have landed
-            T.ptx["fence.proxy.async.shared::cta"]()  # generic-proxy writes, then wgmma's async reads
-            T.tvm_storage_sync("shared")  # every thread's copies; every warpgroup is past its wait (tile kt - 1 - in_flight done)
-            if kt + ahead < k_tiles:
+        if tma:  # a producer warp loads each stage by TMA once the consumers released it ("empty")
+            bars = T.decl_buffer((2 * stages,), "uint64", data=smem.data, elem_offset=stages * stage_elems // 4, scope="shared.dyn")
+            if tx == 0:
+                for s in range(stages):  # "full" barriers, then "empty" ones (released by each consumer warp)
+                    T.ptx["mbarrier.init.shared::cta.b64"](T.address_of(bars[s]), 1)
+                    T.ptx["mbarrier.init.shared::cta.b64"](T.address_of(bars[stages + s]), consumers // 32)
+                T.ptx["fence.mbarrier_init.release.cluster"]()
+            T.tvm_storage_sync("shared")
+            if tx >= consumers:
+                for kt in range(k_tiles):
+                    if kt >= stages:  # the consumers' (kt // stages)-th release of this stage
+                        T.cuda.mbarrier_wait(T.address_of(bars[stages + kt % stages]), (kt // stages + 1) % 2)
+                    if tx == consumers:
+                        T.ptx["mbarrier.arrive.expect_tx.shared::cta.b64"](T.address_of(bars[kt % stages]), stage_elems * 2)
+                        tma_load(a_map, a_view, T.address_of(smem[kt % stages * stage_elems]), kt * K_TILE, by * bm, bz,
+                                 T.address_of(bars[kt % stages]))
+                        load_b(smem, kt % stages, kt, bx, bz, T.address_of(bars[kt % stages]))
+            else:
+                for kt in range(k_tiles):
+                    T.cuda.mbarrier_wait(T.address_of(bars[kt % stages]), kt // stages % 2)
+                    multiply(acc, desc_a, desc_b, kt)
+                    T.ptx["wgmma.wait_group.sync.aligned"](1)
+                    if kt > 0 and tx % 32 == 0:  # tile kt - 1's group is done: its stage may be refilled
+                        T.ptx["mbarrier.arrive.shared::cta.b64"](T.address_of(bars[stages + (kt - 1) % stages]))
+                T.ptx["wgmma.wait_group.sync.aligned"](0)
+        else:
+            for tile in T.unroll(ahead):  # prologue: the first tiles, one commit group each
                 for i in T.unroll(a_chunks):
-                    dst, src = T.meta_var(copy_a((kt + ahead) % stages, kt + ahead, tx, by, bz, i))
+                    dst, src = T.meta_var(copy_a(tile, tile, tx, by, bz, i))
                     T.ptx["cp.async.cg.shared.global"](T.address_of(smem[dst]), src, 16)
                 for i in T.unroll(b_chunks):
-                    dst, src = T.meta_var(copy_b((kt + ahead) % stages, kt + ahead, tx, bx, bz, i))
+                    dst, src = T.meta_var(copy_b(tile, tile, tx, bx, bz, i))
                     T.ptx["cp.async.cg.shared.global"](T.address_of(smem[dst]), src, 16)
-            T.ptx["cp.async.commit_group"]()  # (empty at the tail: the group count stays in step)
-            T.ptx["wgmma.fence.sync.aligned"]()
-            for kk in T.unroll(K_TILE // 16):
-                T.ptx[mma](*[acc[r] for r in range(regs)],
-                           desc_a[0] + T.uint64((kt % stages * stage_elems * 2 + kk * 32) // 16),
-                           desc_b[0] + T.uint64((kt % stages * stage_elems * 2 + kk * b_step) // 16),
-                           T.bool(True), 1, 1, 0, trans_b)  # D += A * B
-            T.ptx["wgmma.commit_group.sync.aligned"]()
-            T.ptx["wgmma.wait_group.sync.aligned"](in_flight)
-        T.ptx["wgmma.wait_group.sync.aligned"](0)
+                T.ptx["cp.async.commit_group"]()
+            for kt in range(k_tiles):
+                T.ptx["cp.async.wait_group"](ahead - 1)  # this thread's copies of tile kt have landed
+                T.ptx["fence.proxy.async.shared::cta"]()  # generic-proxy writes, then wgmma's async reads
+                T.tvm_storage_sync("shared")  # every thread's copies; every warpgroup is past its wait (tile kt - 1 - in_flight done)
+                if kt + ahead < k_tiles:
+                    for i in T.unroll(a_chunks):
+                        dst, src = T.meta_var(copy_a((kt + ahead) % stages, kt + ahead, tx, by, bz, i))
+                        T.ptx["cp.async.cg.shared.global"](T.address_of(smem[dst]), src, 16)
+                    for i in T.unroll(b_chunks):
+                        dst, src = T.meta_var(copy_b((kt + ahead) % stages, kt + ahead, tx, bx, bz, i))
+                        T.ptx["cp.async.cg.shared.global"](T.address_of(smem[dst]), src, 16)
+                T.ptx["cp.async.commit_group"]()  # (empty at the tail: the group count stays in step)
+                multiply(acc, desc_a, desc_b, kt)
+                T.ptx["wgmma.wait_group.sync.aligned"](in_flight)
+            T.ptx["wgmma.wait_group.sync.aligned"](0)
         if staged:
             T.tvm_storage_sync("shared")  # every warpgroup's last wgmma has read its operands
-            for r in T.unroll(regs):
-                row, col = T.meta_var(accumulator_position(tx, r))
-                smem[row * row_stride + col] = result(bz, by * bm + row, within(bx * bn + col, n - 1), acc[r])
+            if tx < consumers:
+                for r in T.unroll(regs):
+                    row, col = T.meta_var(accumulator_position(tx, r))
+                    smem[row * row_stride + col] = result(bz, by * bm + row, within(bx * bn + col, n - 1), acc[r])
             T.tvm_storage_sync("shared")
-            for i in T.unroll(bm * bn // 8 // threads):
-                if inside(bx * bn + (tx + i * threads) % (bn // 8) * 8):  # 8 columns, all inside C or none
-                    for v in T.vectorized(8):
-                        row, col = T.meta_var(((tx + i * threads) // (bn // 8), (tx + i * threads) % (bn // 8) * 8 + v))
-                        T.buffer_store(out, smem[row * row_stride + col], indices(bz, by * bm + row, bx * bn + col)[0])
-        else:
+            if tx < consumers:
+                for i in T.unroll(bm * bn // 8 // consumers):
+                    if inside(bx * bn + (tx + i * consumers) % (bn // 8) * 8):  # 8 columns, all inside C or none
+                        for v in T.vectorized(8):
+                            row, col = T.meta_var(((tx + i * consumers) // (bn // 8), (tx + i * consumers) % (bn // 8) * 8 + v))
+                            T.buffer_store(out, smem[row * row_stride + col], indices(bz, by * bm + row, bx * bn + col)[0])
+        elif tx < consumers:
             for r in T.unroll(regs):
                 row, col = T.meta_var(accumulator_position(tx, r))
                 if inside(bx * bn + col):
                     T.buffer_store(out, result(bz, by * bm + row, bx * bn + col, acc[r]), indices(bz, by * bm + row, bx * bn + col)[0])
 
-    return kernel
+    return tirx.SeqStmt([*host, kernel.body]) if tma else kernel.body
 
+
+def _tma_views(block):
+    """tensor_view of A (k inner, rows outer) and of B (k inner over a k-major B, else its
+    columns), or None where either is indexed otherwise."""
+    a_load, b_load = matmul.multiply_accumulate(block.body)
+    *_, row_var, col_var, k_var = (iv.var for iv in block.iter_vars)
+    b_axes = (k_var, col_var) if matmul.k_is_last(block)[1] else (col_var, k_var)
+    views = tensor_view(a_load, block, k_var, row_var), tensor_view(b_load, block, *b_axes)
+    return views if all(views) else None
+
+
+def _encode(tensor_map, load, view, box) -> list:
+    """Host statements making `tensor_map` the descriptor of `load`'s buffer seen as `view`, loading
+    `box` (inner first) into 128-byte swizzled shared memory, as the wgmma descriptors read it."""
+    dims, strides, _ = view
+    rank = len(dims)
+    box = [*box, 1][:rank]
+    return [tirx.Bind(tensor_map, T.tvm_stack_alloca("tensormap", 1)),
+            tirx.Evaluate(tirx.tensormap_encode_tiled(tensor_map, load.source.data, *dims, *strides, *box, *[1] * rank,
+                                                      descriptor_dtype="float16", rank=rank, swizzle=TMA_SWIZZLE_128B))]

@@ -25,7 +25,8 @@ NAMES = tuple(f"is_{name}" for name in STRATEGIES) + ("is_matmul", "is_conv2d") 
     "log2_row_elements", "log2_rows", "log2_bytes", "reductions", "elementwise_epilogue", "symbolic",
     "threads", "log2_blocks", "waves", "sm_utilisation", "occupancy", "log2_bytes_per_thread", "vector_bytes",
     "staged", "staged_bytes_per_block", "log2_lanes_per_row",
-    "log2_k_per_step", "pipeline_stages", "log2_warp_tile")  # the last three: contractions only (0 otherwise)
+    "log2_k_per_step", "pipeline_stages", "log2_warp_tile",  # these three: contractions only (0 otherwise)
+    "tma_loads")  # wgmma matmuls only
 # Names (and so meaning) of a logged feature vector: records of another schema are not trained on
 SCHEMA = hashlib.sha1(",".join(NAMES).encode()).hexdigest()[:12]
 
@@ -66,7 +67,7 @@ def features(pattern: ReducePattern, knobs: dict, device: Device) -> np.ndarray:
         float(epilogue), float(symbolic), threads, math.log2(blocks), waves, blocks / (math.ceil(waves) * slots),
         threads * resident / device.threads_per_sm if device.is_gpu else 1.0,
         math.log2(max(1.0, width / lanes * element_bytes)), int(knobs.get("vec", 1)) * element_bytes,
-        float(staged), staged_bytes, math.log2(lanes), 0.0, 0.0, 0.0]
+        float(staged), staged_bytes, math.log2(lanes), 0.0, 0.0, 0.0, 0.0]
     return np.asarray(values, dtype="float32")
 
 
@@ -88,7 +89,7 @@ def matmul_features(block, knobs: dict, epilogue: bool, device: Device) -> np.nd
         math.log2(k), math.log2(outputs), math.log2(math.prod(batch) * (m * k + k * n) * item + outputs * 4), 1,
         float(epilogue), 0.0, threads, math.log2(blocks), waves, blocks / (math.ceil(waves) * slots),
         threads * resident / device.threads_per_sm, math.log2(bm * bn * 4 / threads), int(knobs["vec"]) * item,
-        1.0, smem, 0.0, math.log2(bk), stages, math.log2(warp_tile)]
+        1.0, smem, 0.0, math.log2(bk), stages, math.log2(warp_tile), 0.0]
     return np.asarray(values, dtype="float32")
 
 
@@ -97,7 +98,8 @@ def wgmma_features(block, knobs: dict, epilogue: bool, device: Device) -> np.nda
     a warpgroup per 64 rows, 64 of k per stage, a warp's tile 16 rows by block_n."""
     *batch, m, n, k = (int(iv.dom.extent) for iv in block.iter_vars)
     bm, bn, stages = (int(knobs[x]) for x in ("block_m", "block_n", "stages"))
-    outputs, threads = math.prod(batch) * m * n, bm // wgmma_matmul.ROWS * wgmma_matmul.WARPGROUP
+    outputs = math.prod(batch) * m * n
+    threads = bm // wgmma_matmul.ROWS * wgmma_matmul.WARPGROUP + int(knobs.get("tma", 0)) * wgmma_matmul.PRODUCER_THREADS
     blocks = wgmma_matmul.block_count(math.prod(batch), m, n, bm, bn)
     smem = stages * wgmma_matmul.stage_bytes(bm, bn)
     resident = device.resident_blocks(threads, min(255, 40 + bn // 2), smem)  # bn / 2 fp32 accumulators
@@ -107,7 +109,7 @@ def wgmma_features(block, knobs: dict, epilogue: bool, device: Device) -> np.nda
         math.log2(k), math.log2(outputs), math.log2(math.prod(batch) * (m * k + k * n) * 2 + outputs * 4), 1,
         float(epilogue), 0.0, threads, math.log2(blocks), waves, blocks / (math.ceil(waves) * slots),
         threads * resident / device.threads_per_sm, math.log2(bm * bn * 4 / threads), 16,
-        1.0, smem, 0.0, math.log2(wgmma_matmul.K_TILE), stages, math.log2(16 * bn)]
+        1.0, smem, 0.0, math.log2(wgmma_matmul.K_TILE), stages, math.log2(16 * bn), float(knobs.get("tma", 0))]
     return np.asarray(values, dtype="float32")
 
 
@@ -130,7 +132,7 @@ def conv2d_features(block, knobs: dict, epilogue: bool, device: Device) -> np.nd
         math.log2(c * r * s), math.log2(n * f * y * x), math.log2((n * c * y * x + f * c * r * s + n * f * y * x) * item),
         1, float(epilogue), 0.0, threads, math.log2(blocks), waves, blocks / (math.ceil(waves) * slots),
         threads * resident / device.threads_per_sm, math.log2(per_thread), k["xi"] * item, 1.0, smem,
-        math.log2(k["tx"]), math.log2(k["rc"]), k["vf"] * k["vy"] * k["vx"], math.log2(k["fi"] * k["yi"] * 32)]
+        math.log2(k["tx"]), math.log2(k["rc"]), k["vf"] * k["vy"] * k["vx"], math.log2(k["fi"] * k["yi"] * 32), 0.0]
     return np.asarray(values, dtype="float32")
 
 

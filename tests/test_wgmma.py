@@ -51,7 +51,9 @@ def tiles(space) -> list:
 def test_the_template_takes_fp16_matmuls_of_whole_64_row_tiles():
     space = wgmma_matmul.knob_space(template_func(256, 512, 256))
     assert tiles(space) == [(128, 256), (128, 128), (64, 256), (64, 128), (64, 64)]
-    assert [p["stages"] for p in space if (p["block_m"], p["block_n"]) == (64, 128)] == [8, 4]  # one block, two per SM
+    assert [(p["stages"], p.get("tma", 0)) for p in space if (p["block_m"], p["block_n"]) == (64, 128)] == \
+        [(8, 0), (4, 0), (8, 1), (4, 1)]  # one block, two per SM; each also loaded by TMA (4 stages or more)
+    assert {p["stages"] for p in space if p.get("tma")} == {8, 7, 5, 4}  # 128 x 256 and 64 x 256 in 2 stages: not by TMA
     assert wgmma_matmul.knob_space(template_func(4096, 1000, 1024)) == []  # N not a multiple of 64
     assert wgmma_matmul.knob_space(template_func(16, 4096, 4096)) == []  # fewer rows than a warpgroup's 64
     assert wgmma_matmul.knob_space(template_func(256, 512, 256, "bfloat16")) == []
@@ -124,6 +126,46 @@ def test_the_epilogue_is_computed_on_the_accumulators():
     assert "wgmma.mma_async" in src
     assert "erf" in src and "bias" in src  # GELU and the bias in the same kernel as the wgmma
     assert "float* __restrict__" not in src.split("main_kernel(")[1].split(")")[0]  # no fp32 intermediate
+
+
+@pytest.mark.parametrize("n_major", [True, False])
+def test_tma_kernels_load_whole_tiles_by_bulk_tensor_copies_from_a_producer_warp(n_major):
+    func = template_func(512, 4096, 4096) if n_major else k_major(512, 4096, 4096)
+    knobs = {"block_m": 128, "block_n": 256, "stages": 4, "group": 4, "tma": 1}
+    kernel = wgmma_matmul.apply(func, knobs).mod["main"]
+    host = kernel.script()  # the descriptors, encoded on the host: k then rows of A, B by 64-column atoms if n-major
+    assert "T.tensormap_encode_tiled(A_tensormap, a.data, 4096, 512, 8192, 64, 128, 1, 1," in host
+    assert ("(B_tensormap, b.data, 4096, 4096, 8192, 64, 64, 1, 1," if n_major else
+            "(B_tensormap, w.data, 4096, 4096, 8192, 64, 256, 1, 1,") in host
+    assert host.count("swizzle=3") == 2  # 128-byte swizzled, as the wgmma descriptors read the tiles
+    src = cuda_source(kernel)
+    assert "const __grid_constant__ CUtensorMap A_tensormap, const __grid_constant__ CUtensorMap B_tensormap" in src
+    assert "__launch_bounds__(288)" in src  # two warpgroups and the producer warp
+    copies = src.split("if (((int)threadIdx.x) == 256) {")[1].split("} else {")[0]
+    assert copies.count("tvm_builtin_ptx_cp_async_bulk_tensor_g2s_cluster_async_bulk_tensor_2d") == (5 if n_major else 2)
+    assert "(uint)49152)" in copies  # the stage's bytes, expected on its "full" barrier
+    for needed in ("mbarrier.try_wait.parity", "mbarrier.arrive.shared::cta.b64", "wgmma.wait_group.sync.aligned 1"):
+        assert needed in src, needed
+    assert "cp.async.cg" not in src and "fence.proxy.async" not in src  # nothing copied by the threads
+
+
+def test_operands_a_descriptor_cannot_describe_are_copied_by_the_threads():
+    a, b = te.placeholder((1, 512, 256), "float16", name="a"), te.placeholder((256, 512), "float16", name="b")
+    r = te.reduce_axis((0, 256), name="k")
+    func = te.create_prim_func([a, b, te.compute(  # A's batch axis indexed by a constant, not a batch iterator
+        (512, 512), lambda i, j: te.sum(a[0, i, r].astype("float32") * b[r, j].astype("float32"), axis=r), name="c")])
+    space = wgmma_matmul.knob_space(func)
+    assert space and not any(p.get("tma") for p in space)
+    assert wgmma_matmul.apply(func, {"block_m": 128, "block_n": 256, "stages": 4, "tma": 1}) is None
+    assert "tma" not in dispatch.heuristic_knobs(func, tvm.target.Target(SM_90A))
+
+
+def test_tma_is_picked_for_tiles_alone_on_their_sm():
+    sm_90a = tvm.target.Target(SM_90A)
+    down = dispatch.heuristic_knobs(template_func(512, 4096, 11008), sm_90a)  # LLaMA-512's down projection: 128 blocks
+    assert (down["block_m"], down["block_n"], down["stages"], down["tma"]) == (64, 256, 5, 1)
+    assert dispatch.heuristic_knobs(template_func(4096, 4096, 4096), sm_90a)["tma"] == 1
+    assert "tma" not in dispatch.heuristic_knobs(template_func(512, 768, 768), sm_90a)  # two blocks per SM: cp.async
 
 
 def batched(batch, m, n, k):
