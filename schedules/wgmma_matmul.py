@@ -182,16 +182,20 @@ def stage_bytes(block_m: int, block_n: int) -> int:
     return (block_m + block_n) * K_TILE * 2
 
 
-# (tile, waves of blocks it must give, stage count), first fit wins. H200: 128 x 256 tiles alone on
+# (tile, waves of blocks it must give, stage count, least K), first fit wins. H200: 128 x 256 tiles alone on
 # an SM (a wgmma group in flight) where they give about two waves (4096^3: 543 TFLOP/s against 462
 # for 128 x 128; 2048 x 4096 x 11008, 1.94 waves: 586 against 481: bench/results/h200-2026-11-22-
 # s11-*.json); else two blocks per SM, which beat one with more stages on every LLaMA and BERT shape
 # of -matmul-models.* and in the whole layers (-e2e-s11-kt-transposed.md: one block per SM made
 # LLaMA-512's 512 x 4096 projections 1.65x slower).
 # With TMA (from session 14) the tiles alone on their SM gained 4-27% (-s14-tma.json), and 64 x 256
-# ones came first on a wave of blocks: LLaMA-512's 512 x 4096 x 11008 586 TFLOP/s against 462 for
-# 64 x 128 two per SM, its 512 x 4096 x 4096 453 against 400.
-PREFERENCE = [((128, 256), 1.9, "most"), ((64, 256), 0.9, "most"), ((128, 128), 1, "two per SM"), ((64, 128), 1, "two per SM")]
+# ones came first on a wave of blocks over a long K: LLaMA-512's 512 x 4096 x 11008 586 TFLOP/s
+# against 462 for 64 x 128 two per SM, its 512 x 4096 x 4096 453 against 400, BERT-512's 4096 x 768
+# x 3072 39.6 us against 42.4 in 128 x 128 tiles two per SM (-e2e-s14 against -e2e-s13). Over K =
+# 768 they were slower: BERT-128's 1024 x 3072 x 768 (with GELU) 27.9 us against 17.3
+# (-s14-timeline.json against -s13-timeline.json).
+PREFERENCE = [((128, 256), 1.9, "most", 0), ((64, 256), 0.9, "most", 3072), ((128, 128), 1, "two per SM", 0),
+              ((64, 128), 1, "two per SM", 0)]
 
 
 def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule] | None:
@@ -201,13 +205,14 @@ def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule]
     space = _points(found)
     if not space:
         return None
-    *batch, m, n, _ = _sizes(found)
+    *batch, m, n, k = _sizes(found)
     by_tile: dict = {}
     for knobs in space:  # each tile's points: most stages first, then those loaded by TMA
         by_tile.setdefault((knobs["block_m"], knobs["block_n"]), []).append(knobs)
     blocks = {(bm, bn): block_count(math.prod(batch), m, n, bm, bn) for bm, bn in by_tile}
-    tile, stages = next(((tile, stages) for tile, waves, stages in PREFERENCE
-                         if tile in by_tile and blocks[tile] >= waves * sm_count), (max(blocks, key=blocks.get), "two per SM"))
+    tile, stages = next(((tile, stages) for tile, waves, stages, least_k in PREFERENCE
+                         if tile in by_tile and blocks[tile] >= waves * sm_count and k >= least_k),
+                        (max(blocks, key=blocks.get), "two per SM"))
     if stages == "most":
         tile = _fullest_waves(tile, [t for t in by_tile if t[0] == tile[0] and t[1] in WIDE], blocks, sm_count)
     copied = [k for k in by_tile[tile] if not k.get("tma")]

@@ -166,6 +166,8 @@ def test_tma_is_picked_for_tiles_alone_on_their_sm():
     assert (down["block_m"], down["block_n"], down["stages"], down["tma"]) == (64, 256, 5, 1)
     assert dispatch.heuristic_knobs(template_func(4096, 4096, 4096), sm_90a)["tma"] == 1
     assert "tma" not in dispatch.heuristic_knobs(template_func(512, 768, 768), sm_90a)  # two blocks per SM: cp.async
+    fc1 = dispatch.heuristic_knobs(template_func(1024, 3072, 768), sm_90a)  # BERT-128's: K = 768 is too short for 64 x 256
+    assert (fc1["block_m"], fc1["block_n"], fc1.get("tma")) == (128, 128, None)
 
 
 def batched(batch, m, n, k):

@@ -75,7 +75,7 @@ def _linears(func: relax.Function) -> dict:
 def worth_joining(rows: int, columns: int, sm_count: int) -> bool:
     """Whether a [rows, columns] output gives the waves of large tiles the wgmma heuristic wants
     before it takes them (wgmma_matmul.PREFERENCE's first entry)."""
-    (block_m, block_n), waves, _ = wgmma_matmul.PREFERENCE[0]
+    (block_m, block_n), waves, *_ = wgmma_matmul.PREFERENCE[0]
     return -(-rows // block_m) * -(-columns // block_n) >= waves * sm_count
 
 
