@@ -215,9 +215,9 @@ def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule]
                         (max(blocks, key=blocks.get), "two per SM"))
     if stages == "most":
         tile = _fullest_waves(tile, [t for t in by_tile if t[0] == tile[0] and t[1] in WIDE], blocks, sm_count)
-    copied = [k for k in by_tile[tile] if not k.get("tma")]
+    copied = [p for p in by_tile[tile] if not p.get("tma")]
     knobs = copied[0 if stages == "most" else -1]
-    knobs = next((k for k in by_tile[tile] if stages == "most" and k.get("tma") and k["stages"] == knobs["stages"]), knobs)
+    knobs = next((p for p in by_tile[tile] if stages == "most" and p.get("tma") and p["stages"] == knobs["stages"]), knobs)
     return knobs, _apply(func, found, knobs)
 
 
@@ -231,7 +231,7 @@ def _fullest_waves(tile, tiles: list, blocks: dict, sm_count: int):
     return best if span(best) <= 0.95 * span(tile) else tile
 
 
-def tensor_view(load, block, inner, outer):
+def _tensor_view(load, block, inner, outer):
     """How a TMA descriptor sees `load`'s buffer: (dims inner first, byte strides, coordinate of the
     batch axes as a function of their iterators' values) with the buffer's last two axes indexed by
     `inner` and `outer` iterators and any axes before them by distinct batch iterators (collapsed
@@ -243,7 +243,7 @@ def tensor_view(load, block, inner, outer):
     if not (last.same_as(inner) and second.same_as(outer)) \
             or not all(any(i.same_as(v) for v in batch_vars) for i in lead) or len(set(map(str, lead))) != len(lead):
         return None
-    itemsize = 2
+    itemsize = 2  # fp16: the only operands _fit takes
     dims = [shape[-1], shape[-2]] + ([math.prod(shape[:-2])] if lead else [])
     strides = [shape[-1] * itemsize] + ([shape[-1] * shape[-2] * itemsize] if lead else [])
 
@@ -504,12 +504,12 @@ def _kernel(block, folded, bm, bn, stages, group, tma, batch, m, n, k) -> tirx.S
 
 
 def _tma_views(block):
-    """tensor_view of A (k inner, rows outer) and of B (k inner over a k-major B, else its
+    """_tensor_view of A (k inner, rows outer) and of B (k inner over a k-major B, else its
     columns), or None where either is indexed otherwise."""
     a_load, b_load = matmul.multiply_accumulate(block.body)
     *_, row_var, col_var, k_var = (iv.var for iv in block.iter_vars)
     b_axes = (k_var, col_var) if matmul.k_is_last(block)[1] else (col_var, k_var)
-    views = tensor_view(a_load, block, k_var, row_var), tensor_view(b_load, block, *b_axes)
+    views = _tensor_view(a_load, block, k_var, row_var), _tensor_view(b_load, block, *b_axes)
     return views if all(views) else None
 
 
