@@ -1,4 +1,5 @@
-"""Relax rewrites before legalization: the transposed key read as stored, activations before reshapes."""
+"""Relax rewrites before legalization: the transposed key read as stored, activations and residual
+adds before reshapes."""
 
 import numpy as np
 import pytest
@@ -125,3 +126,35 @@ def test_the_moved_activation_computes_the_same(rng):
     h = x @ w1
     gelu = h * 0.5 * (1 + np.vectorize(erf)(h / np.sqrt(2)))
     np.testing.assert_allclose(out, gelu @ w2, rtol=1e-5, atol=1e-5)
+
+
+def linear_residual(rows, hidden, dtype, residual_first=True):
+    """What the frontend makes of x + fc(x) on [2, rows / 2, hidden]: the 2-D product rounded to
+    `dtype`, reshaped to 3-D, then the residual added (PyTorch's `x + f(x)` puts it first)."""
+    x = relax.Var("x", relax.TensorType([2, rows // 2, hidden], dtype))
+    w = relax.Var("w", relax.TensorType([hidden, hidden], dtype))
+    op = relax.op
+
+    def body(bb, x, w):
+        rows_of_x = bb.emit(op.reshape(x, [rows, hidden]))
+        y = bb.emit(op.reshape(bb.emit(op.astype(op.matmul(rows_of_x, w, out_dtype="float32"), dtype)), [2, rows // 2, hidden]))
+        return op.add(x, y) if residual_first else op.add(y, x)
+    return main_module(body, [x, w])
+
+
+@pytest.mark.parametrize("residual_first", [True, False])
+def test_a_residual_added_after_a_reshaped_matmul_joins_its_epilogue(residual_first):
+    fused = tvm_ext.pipeline.fused_module(linear_residual(256, 128, "float16", residual_first), tvm_ext.parse_target(CUDA_TARGET))
+    names = [gv.name_hint for gv, f in fused.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert any("matmul" in n and "add" in n for n in names)  # one kernel: the add in the matmul's epilogue
+    assert not any("add" in n and "matmul" not in n for n in names)  # before the rewrite: fused_reshape_add
+
+
+def test_the_moved_residual_computes_the_same(rng):
+    from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
+
+    x, w = rng.standard_normal((2, 4, 16)).astype("float32"), rng.standard_normal((16, 16)).astype("float32")
+    for residual_first in (True, False):
+        out = VirtualMachine(tvm_ext.build(linear_residual(8, 16, "float32", residual_first), "llvm"), tvm.cpu())["main"](
+            tvm.runtime.tensor(x), tvm.runtime.tensor(w)).numpy()
+        np.testing.assert_allclose(out, x + (x.reshape(8, 16) @ w).reshape(2, 4, 16), rtol=1e-5, atol=1e-5)
