@@ -115,15 +115,20 @@ def _points(found) -> list[dict]:
     b_n_major = not matmul.k_is_last(found[0])[1]
     points = [{"strategy": NAME, "block_m": bm, "block_n": bn, "stages": stages, "group": _group(m // bm)}
               for bm, bn in TILES if m % bm == 0 and _width_fits(bn, n, b_n_major) for stages in _stage_counts(bm, bn)]
-    return points + [{**p, "tma": 1} for p in points if _tma_fits(found[0], p["block_m"], p["block_n"], p["stages"])]
+    if _tma_views(found[0]) is None:  # operands a descriptor cannot describe
+        return points
+    return points + [{**p, "tma": 1} for p in points if _tma_fits(p["block_m"], p["block_n"], p["stages"])]
 
 
-def _tma_fits(block, block_m: int, block_n: int, stages: int) -> bool:
+def _tma_fits(block_m: int, block_n: int, stages: int) -> bool:
     """Whether TMA may load these stages: enough of them for the loads to run ahead (with two, TMA
-    was 5-30% slower than cp.async on an H200, -s14-tma.json), room for their barriers, operands
-    a descriptor can describe."""
-    return stages >= TMA_MIN_STAGES and stages * (stage_bytes(block_m, block_n) + BARRIER_BYTES) <= matmul.MAX_SHARED \
-        and _tma_views(block) is not None
+    was 5-30% slower than cp.async on an H200, -s14-tma.json) and room for their barriers."""
+    return stages >= TMA_MIN_STAGES and stages * (stage_bytes(block_m, block_n) + BARRIER_BYTES) <= matmul.MAX_SHARED
+
+
+def block_threads(block_m: int, tma: bool) -> int:
+    """Threads of a block: a warpgroup per 64 rows, and with TMA the producer warp."""
+    return block_m // ROWS * WARPGROUP + tma * PRODUCER_THREADS
 
 
 def _width_fits(bn: int, n: int, b_n_major: bool) -> bool:
@@ -296,24 +301,25 @@ def _apply(func: tirx.PrimFunc, found, knobs: dict) -> s_tir.Schedule | None:
     block, folded = found
     bm, bn, stages, group, tma = (int(knobs.get(x, 0)) for x in ("block_m", "block_n", "stages", "group", "tma"))
     *batch, m, n, k = _sizes(found)
+    views = _tma_views(block) if tma else None
     if bm % ROWS or bn % 32 or bn > 256 or m % bm or not _width_fits(bn, n, not matmul.k_is_last(block)[1]) \
             or stages < 2 + _in_flight(bm, bn, stages) or group and m // bm % group \
             or not _output_bytes(bm, bn) <= stages * stage_bytes(bm, bn) <= matmul.MAX_SHARED \
-            or tma and not _tma_fits(block, bm, bn, stages):
+            or tma and (views is None or not _tma_fits(bm, bn, stages)):
         return None
-    return s_tir.Schedule(func.with_body(_kernel(block, folded, bm, bn, stages, group, bool(tma), batch, m, n, k)))
+    return s_tir.Schedule(func.with_body(_kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k)))
 
 
-def _kernel(block, folded, bm, bn, stages, group, tma, batch, m, n, k) -> tirx.Stmt:
-    """The loop nest, written against the original function's buffers (with TMA, after the host
-    statements that encode its descriptors)."""
+def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k) -> tirx.Stmt:
+    """The loop nest, written against the original function's buffers; with `views` (_tma_views),
+    loaded by TMA, after the host statements that encode its descriptors."""
     a_load, b_load = matmul.multiply_accumulate(block.body)
     ivs = [iv.var for iv in block.iter_vars]
     *batch_vars, row_var, col_var, k_var = ivs
     b_n_major = not matmul.k_is_last(block)[1]
     out, out_ivs, value, placeholder = folded
-    consumers = bm // ROWS * WARPGROUP
-    threads = consumers + tma * PRODUCER_THREADS
+    tma = views is not None
+    consumers, threads = block_threads(bm, False), block_threads(bm, tma)
     a_elems, b_elems = bm * K_TILE, bn * K_TILE
     stage_elems = a_elems + b_elems
     a_chunks, b_chunks = a_elems // 8 // consumers, b_elems // 8 // consumers  # 16-byte copies per thread
@@ -384,7 +390,7 @@ def _kernel(block, folded, bm, bn, stages, group, tma, batch, m, n, k) -> tirx.S
     grid_z = math.prod(batch)
 
     if tma:
-        a_view, b_view = _tma_views(block)
+        a_view, b_view = views
         maps = [T.Var(name, ty=T.handle("tensormap").ty) for name in ("A_tensormap", "B_tensormap")]
         b_box = [64, K_TILE] if b_n_major else [K_TILE, bn]  # an n-major B: one load per 64-column atom
         host = [stmt for tensor_map, load, view, box in zip(maps, (a_load, b_load), (a_view, b_view), ([K_TILE, bm], b_box))
@@ -422,7 +428,8 @@ def _kernel(block, folded, bm, bn, stages, group, tma, batch, m, n, k) -> tirx.S
         tile = T.launch_thread("blockIdx.x", columns * (m // bm))
         bx, by = T.meta_var(raster(tile))
         tx = T.launch_thread("threadIdx.x", threads)
-        smem = T.alloc_buffer((stages * stage_elems + tma * stages * BARRIER_BYTES // 2,), "float16", scope="shared.dyn", align=ATOM_BYTES)
+        smem = T.alloc_buffer((stages * stage_elems + tma * stages * BARRIER_BYTES // 2,),  # fp16 elements: the barriers after the stages
+                              "float16", scope="shared.dyn", align=ATOM_BYTES)
         acc = T.alloc_buffer((regs,), "float32", scope="local")
         desc_a = T.alloc_buffer((1,), "uint64", scope="local")
         desc_b = T.alloc_buffer((1,), "uint64", scope="local")
@@ -433,7 +440,8 @@ def _kernel(block, folded, bm, bn, stages, group, tma, batch, m, n, k) -> tirx.S
         T.evaluate(T.cuda.wgmma.encode_matrix_descriptor(
             T.address_of(desc_b[0]), T.address_of(smem[a_elems]), b_lbo, ATOM_BYTES // 16, SWIZZLE_128B))
         if tma:  # a producer warp loads each stage by TMA once the consumers released it ("empty")
-            bars = T.decl_buffer((2 * stages,), "uint64", data=smem.data, elem_offset=stages * stage_elems // 4, scope="shared.dyn")
+            bars = T.decl_buffer((2 * stages,), "uint64", data=smem.data, elem_offset=stages * stage_elems // 4,  # 4 fp16 a uint64
+                                 scope="shared.dyn")
             if tx == 0:
                 for s in range(stages):  # "full" barriers, then "empty" ones (released by each consumer warp)
                     T.ptx["mbarrier.init.shared::cta.b64"](T.address_of(bars[s]), 1)

@@ -99,7 +99,7 @@ def wgmma_features(block, knobs: dict, epilogue: bool, device: Device) -> np.nda
     *batch, m, n, k = (int(iv.dom.extent) for iv in block.iter_vars)
     bm, bn, stages = (int(knobs[x]) for x in ("block_m", "block_n", "stages"))
     outputs = math.prod(batch) * m * n
-    threads = bm // wgmma_matmul.ROWS * wgmma_matmul.WARPGROUP + int(knobs.get("tma", 0)) * wgmma_matmul.PRODUCER_THREADS
+    threads = wgmma_matmul.block_threads(bm, bool(knobs.get("tma", 0)))
     blocks = wgmma_matmul.block_count(math.prod(batch), m, n, bm, bn)
     smem = stages * wgmma_matmul.stage_bytes(bm, bn)
     resident = device.resident_blocks(threads, min(255, 40 + bn // 2), smem)  # bn / 2 fp32 accumulators

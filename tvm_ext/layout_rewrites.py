@@ -119,9 +119,7 @@ class _ActivationBeforeReshape(PyExprMutator):
         call = self.visit_expr_post_order(call)
         if op_name(call) == "relax.add":
             return self._residual_before_reshape(call)
-        if not call.args or not isinstance(call.args[0], relax.Var):
-            return call
-        bound = self.lookup_binding(call.args[0])
+        bound = self._bound(call.args[0]) if call.args else None
         if op_name(bound) != "relax.reshape" or not isinstance(bound.args[0], relax.Var):
             return call
         source = bound.args[0]
@@ -135,7 +133,7 @@ class _ActivationBeforeReshape(PyExprMutator):
         """`r + reshape(y)` (either order, no broadcasting) as `reshape(y + reshape(r))` where y is a
         matmul's product."""
         for reshaped, residual in (call.args, call.args[::-1]):
-            bound = self.lookup_binding(reshaped) if isinstance(reshaped, relax.Var) else None
+            bound = self._bound(reshaped)
             if op_name(bound) == "relax.reshape" and self._produced_by_matmul(bound.args[0]) \
                     and shape_of(residual) == shape_of(call) == shape_of(reshaped):
                 source = bound.args[0]
@@ -143,9 +141,13 @@ class _ActivationBeforeReshape(PyExprMutator):
                 return relax.op.reshape(self.builder_.emit(relax.op.add(source, other)), bound.args[1])
         return call
 
+    def _bound(self, expr):
+        """What variable `expr` is bound to; None for anything else."""
+        return self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
+
     def _produced_by_matmul(self, expr) -> bool:
         """Whether `expr` is a matmul's result, or its cast (the frontend rounds the product)."""
-        bound = self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
+        bound = self._bound(expr)
         if op_name(bound) == "relax.astype":
             return self._produced_by_matmul(bound.args[0])
         return op_name(bound) == "relax.matmul"

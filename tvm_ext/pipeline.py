@@ -2,7 +2,7 @@
 
 Order: Linear layers sharing an input joined into one matmul (parallel_matmuls.py) -> spelled-out attention as one fused kernel (sm_90a, attention.py) -> top-1 sorts as maxima -> half math around reductions in float32 -> library dispatch ->
 mean/variance pairing (Welford) -> matmuls by a transposed key read it untransposed, activations
-before reshapes -> LegalizeOps (with our legalizations; on GPUs, split-K for matmuls with few
+and residual adds before reshapes -> LegalizeOps (with our legalizations; on GPUs, split-K for matmuls with few
 rows) -> AnnotateTIROpPattern ->
 FoldConstant -> FuseOps -> ours (reduce_fusion.py) -> FuseTIR -> leave dataflow form -> our
 schedules for every fused PrimFunc with a reduction (several kernels and a run-time `if` where dims
@@ -137,7 +137,7 @@ def fused_passes(target, **options) -> list:
     maxima (before the library dispatch turns them into sort kernels), half arithmetic around
     reductions done in float32 with PyTorch's rounding points (half_math.py), library dispatch, the
     pairing of mean with variance (Welford), matmuls by a transposed operand reading it untransposed
-    and activations moved before reshapes (layout_rewrites.py), legalization (split-K for few-row
+    and activations and residual adds moved before reshapes (layout_rewrites.py), legalization (split-K for few-row
     matmuls on GPUs, split_k.py), and fusion (FuseOps, then ours)."""
     variance = options.get("variance", "welford")
     statistics = [welford.pair_mean_with_variance] if variance == "welford" else []
