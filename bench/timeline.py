@@ -2,7 +2,9 @@
 
     python -m bench.timeline --models llama-seq512,bert-seq128 --out bench/results/NAME
 
-For each model and implementation: the median of `triton.testing.do_bench` (L2 flushed before each
+Implementations: ours, ours built without programmatic dependent launch (`ours_serial_launch`:
+each kernel waits for the one before it to retire, tvm_ext/passes/dependent_launch.py) and
+torch.compile. For each model and implementation: the median of `triton.testing.do_bench` (L2 flushed before each
 call, as bench/e2e.py times), the mean of 20 calls back to back, and one call's GPU timeline
 (torch.profiler, after an L2 flush): its span from the first kernel's start to the last one's end,
 the sum of its kernel times, the idle gaps between kernels, each kernel, and the host time to
@@ -22,6 +24,8 @@ import time
 
 import tvm  # noqa: F401  import TVM before torch (see the field guide)
 import tvm_ext
+from tvm_ext.passes import tir_pass_disabled
+from tvm_ext.passes.dependent_launch import dependent_launch
 
 import torch  # noqa: E402  pylint: disable=wrong-import-order
 
@@ -91,8 +95,11 @@ def main(argv=None) -> int:
         module, x = make(name)
         mod = tvm_ext.from_torch(copy.deepcopy(module), x)
         module, x = module.cuda(), x.cuda()
+        with tir_pass_disabled(dependent_launch):
+            serial = tvm_ext.build(mod, "cuda")
         with torch.no_grad():
-            impls = {"ours": tvm_callable(tvm_ext.build(mod, "cuda")), "torch_compile": torch.compile(module, dynamic=False)}
+            impls = {"ours": tvm_callable(tvm_ext.build(mod, "cuda")), "ours_serial_launch": tvm_callable(serial),
+                     "torch_compile": torch.compile(module, dynamic=False)}
             results[name] = {impl: {"do_bench_us": time_us(fn, [x]), "back_to_back_us": back_to_back_us(fn, x),
                                     "one_call": one_call(fn, x, flush)} for impl, fn in impls.items()}
         for impl, r in results[name].items():

@@ -10,10 +10,13 @@ Built in: `narrow_index` (early) rewrites the kernels tvm_ext/narrowing.py marke
 `AutoTensorize` (early) makes tensor-core code of the matmul template's schedules (tensorize.py);
 `bool_loads_as_bytes_pass` (early) reads bool buffers in vector loops as bytes (TVM's CUDA codegen misprints them);
 `cooperative_launch` (late) launches kernels that use a grid-wide barrier cooperatively;
+`dependent_launch` (late, after it) lets each other kernel on sm_90+ launch while the one before it ends;
 `welford_lower` (late) gives Welford updates CUDA's fast approximate reciprocal.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import tvm
 from tvm import tirx
@@ -41,6 +44,18 @@ def registered_tir_passes(phase: str) -> list:
     return list(_passes[phase])
 
 
+@contextlib.contextmanager
+def tir_pass_disabled(tir_pass: tvm.transform.Pass):
+    """Builds inside run without `tir_pass` (A/B measurements); it is put back in its place after."""
+    places = [(phase, passes.index(tir_pass)) for phase, passes in _passes.items() if tir_pass in passes]
+    unregister_tir_pass(tir_pass)
+    try:
+        yield
+    finally:
+        for phase, index in places:
+            _passes[phase].insert(index, tir_pass)
+
+
 def _tir_pipeline():
     lower, finalize_host, finalize_device = s_tir_pipeline.default_s_tir_pipeline()
 
@@ -64,6 +79,7 @@ tirx.register_tir_pipeline(TIR_PIPELINE, _tir_pipeline)
 def _register_builtin_passes() -> None:
     from .bool_vectors import bool_loads_as_bytes_pass  # noqa: PLC0415
     from .cooperative_launch import cooperative_launch  # noqa: PLC0415
+    from .dependent_launch import dependent_launch  # noqa: PLC0415
     from .narrow_index import narrow_index  # noqa: PLC0415
     from .source_hook import register_source_hook  # noqa: PLC0415
     from .welford_lower import welford_lower  # noqa: PLC0415
@@ -74,6 +90,7 @@ def _register_builtin_passes() -> None:
     register_tir_pass(AutoTensorize, phase="early")
     register_tir_pass(bool_loads_as_bytes_pass, phase="early")
     register_tir_pass(cooperative_launch, phase="late")
+    register_tir_pass(dependent_launch, phase="late")  # after: it leaves cooperative kernels alone
     register_tir_pass(welford_lower, phase="late")
     register_source_hook()
 
