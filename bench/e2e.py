@@ -7,8 +7,11 @@ Each model of `examples/torch_models.py` is imported with `tvm_ext.from_torch`, 
 tvm_ext pipeline (tuned when --database is given) and with TVM's default pipeline (dlight rules;
 given only our fix for relax.full, which it cannot legalize),
 and timed with torch eager and torch.compile in this one process on the same input (medians of
-`triton.testing.do_bench`, L2 flushed). Outputs are checked against eager. Per kernel of ours
-(torch.profiler): time and, for the fused reduce kernels, GB/s. --dynamic-seq builds the LLaMA layer once
+`triton.testing.do_bench`, L2 flushed). `ours_serial_launch` is our build without programmatic
+dependent launch (tvm_ext/passes/dependent_launch.py): each kernel waits for the one before it to
+retire. Outputs are checked against eager. Per kernel of ours (torch.profiler, on the serial-launch
+build: with dependent launch a kernel's span includes its wait for the one before): time and, for
+the fused reduce kernels, GB/s. --dynamic-seq builds the LLaMA layer once
 with a symbolic sequence length and runs it at each length. Writes NAME.json and NAME.md; results
 are written after each model, so a run cut short keeps what it measured.
 """
@@ -24,6 +27,8 @@ import tvm  # import TVM before torch (see the field guide)
 import tvm_ext
 from tvm import relax
 from tvm_ext.legalize import legalize_full
+from tvm_ext.passes import tir_pass_disabled
+from tvm_ext.passes.dependent_launch import dependent_launch
 from tvm_ext.target import without_arch_specific
 
 import torch  # noqa: E402  pylint: disable=wrong-import-order
@@ -61,6 +66,13 @@ def kernel_breakdown(fn, mod, target, args) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"] * r["calls"])
 
 
+def build_serial_launch(mod, target, **options):
+    """`tvm_ext.build` without programmatic dependent launch: each kernel starts once the one before
+    it has retired, so the profiler's kernel times are the kernels' own."""
+    with tir_pass_disabled(dependent_launch):
+        return tvm_ext.build(mod, target, **options)
+
+
 def with_full_legalized(mod):
     """`mod` legalized as TVM's default pipeline would, except relax.full, with our fix: TVM 0.27's own
     legalization of it fails, so its default pipeline cannot build a model with a causal mask."""
@@ -79,6 +91,7 @@ def run_model(name: str, database: str | None, log) -> dict:
         impls, built, result = {"torch_eager": module}, {}, {"model": name, "shape": list(x.shape),
                                                              "dtype": str(x.dtype), "impls": {}}
         ours = {"ours": lambda: tvm_ext.build(mod, target, database=database)}
+        ours["ours_serial_launch"] = lambda: build_serial_launch(mod, target, database=database)
         if str(plain.attrs["arch"]) != str(target.attrs["arch"]):  # the same pipeline without the arch-specific (wgmma) matmuls
             ours["ours_mma_sync"] = lambda: tvm_ext.build(mod, plain, database=database)
         for impl, build in {**ours,
@@ -104,7 +117,7 @@ def run_model(name: str, database: str | None, log) -> dict:
             if impl in built:
                 result["impls"][impl]["kernels"] = len(tvm_ext.cuda_kernels(built[impl]))
         if "ours" in built:
-            result["breakdown"] = kernel_breakdown(impls["ours"], mod, target, [x])
+            result["breakdown"] = kernel_breakdown(impls.get("ours_serial_launch", impls["ours"]), mod, target, [x])
     return result
 
 
@@ -127,19 +140,21 @@ def run_dynamic(lengths: list[int], database: str | None, log) -> dict:
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| model | ours us | ours, mma.sync matmuls us | TVM default us | torch eager us | torch.compile us | "
-             "vs torch.compile | vs TVM default | kernels ours/TVM | ours err |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | ours us | ours, serial launch us | ours, mma.sync matmuls us | TVM default us | torch eager us | "
+             "torch.compile us | vs torch.compile | vs TVM default | kernels ours/TVM | ours err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in results if "impls" in r):
         us = {k: v.get("us") for k, v in r["impls"].items()}
         cell = lambda k: f"{us[k]:.1f}" if us.get(k) else r["impls"].get(k, {}).get("error", "-")[:40]  # noqa: E731
         ratio = lambda k: f"{us[k] / us['ours']:.2f}x" if us.get(k) and us.get("ours") else "-"  # noqa: E731
         kernels = f"{r['impls'].get('ours', {}).get('kernels', '-')}/{r['impls'].get('tvm_default', {}).get('kernels', '-')}"
         err = r["impls"].get("ours", {}).get("max_abs_err")
-        lines.append(f"| {r['model']} | {cell('ours')} | {cell('ours_mma_sync')} | {cell('tvm_default')} | {cell('torch_eager')} | "
+        lines.append(f"| {r['model']} | {cell('ours')} | {cell('ours_serial_launch')} | {cell('ours_mma_sync')} | {cell('tvm_default')} | {cell('torch_eager')} | "
                      f"{cell('torch_compile')} | {ratio('torch_compile')} | {ratio('tvm_default')} | {kernels} | "
                      f"{'-' if err is None else f'{err:.3g}'} |")
     for r in (r for r in results if "breakdown" in r):
-        lines += ["", f"Our kernels in {r['model']} (torch.profiler, most time first; GB/s for fused reduce kernels):", "",
+        lines += ["", f"Our kernels in {r['model']} (torch.profiler on the serial-launch build, most time first; GB/s for "
+                  "fused reduce kernels):", "",
                   "| kernel | us | GB/s |", "|---|---|---|"]
         lines += [f"| {k['kernel']} | {k['us']:.1f} | {k['gbps']:.0f} |" if "gbps" in k else
                   f"| {k['kernel']} | {k['us']:.1f} | - |" for k in r["breakdown"][:12]]

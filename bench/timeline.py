@@ -24,11 +24,10 @@ import time
 
 import tvm  # noqa: F401  import TVM before torch (see the field guide)
 import tvm_ext
-from tvm_ext.passes import tir_pass_disabled
-from tvm_ext.passes.dependent_launch import dependent_launch
 
 import torch  # noqa: E402  pylint: disable=wrong-import-order
 
+from bench.e2e import build_serial_launch
 from bench.run import time_us, tvm_callable
 from examples.torch_models import make
 
@@ -95,10 +94,9 @@ def main(argv=None) -> int:
         module, x = make(name)
         mod = tvm_ext.from_torch(copy.deepcopy(module), x)
         module, x = module.cuda(), x.cuda()
-        with tir_pass_disabled(dependent_launch):
-            serial = tvm_ext.build(mod, "cuda")
         with torch.no_grad():
-            impls = {"ours": tvm_callable(tvm_ext.build(mod, "cuda")), "ours_serial_launch": tvm_callable(serial),
+            impls = {"ours": tvm_callable(tvm_ext.build(mod, "cuda")),
+                     "ours_serial_launch": tvm_callable(build_serial_launch(mod, "cuda")),
                      "torch_compile": torch.compile(module, dynamic=False)}
             results[name] = {impl: {"do_bench_us": time_us(fn, [x]), "back_to_back_us": back_to_back_us(fn, x),
                                     "one_call": one_call(fn, x, flush)} for impl, fn in impls.items()}

@@ -42,6 +42,7 @@ from .parallel_matmuls import combine_parallel_linears
 from .records import Database
 from .reduce_fusion import FuseReduceGroups, max_from_top_one
 from .split_k import legalization as split_k_legalization
+from .target import without_arch_specific
 from .layout_rewrites import activation_before_reshape, read_transposed_operand
 from .variants import rewrite_call_sites
 
@@ -167,9 +168,16 @@ def fused_reduce_functions(mod: tvm.IRModule, target, **options) -> dict:
             if isinstance(f, tirx.PrimFunc) and is_reduce_subgraph(f)}
 
 
-def _dlight_defaults():
-    return dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
-                                   Elementwise(), dl.gpu.Fallback())
+@tvm.transform.module_pass(opt_level=0, name="TVMExtDlightDefaults")
+def dlight_defaults(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """TVM's dlight rules for what our templates leave (symbolic matmuls among them), judged on the
+    architecture's portable variant: dlight reads "sm_90a" as no tensor cores at all (its version
+    check wants digits), and its tensor-core code for sm_90 runs as well on sm_90a."""
+    target = Target.current()
+    rules = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
+                                    Elementwise(), dl.gpu.Fallback())
+    with without_arch_specific(target) if target.kind.name == "cuda" else target:
+        return rules(mod)
 
 
 def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **options) -> tvm.transform.Pass:
@@ -198,7 +206,7 @@ def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **opt
             ScheduleReductions(database),
         ]
         if "gpu" in target.keys:
-            passes += [ScheduleContractions(database), _dlight_defaults()]
+            passes += [ScheduleContractions(database), dlight_defaults]
         passes += ([narrow_indices] if narrow else []) + [relax.transform.CallTIRRewrite()]
         passes += relax.pipeline.finalize_passes(target)
         return tvm.transform.Sequential(passes)(mod)
