@@ -1,11 +1,12 @@
 """Where a whole model's microseconds go, ours against torch.compile, on one GPU in one process.
 
-    python -m bench.timeline --models llama-seq512,bert-seq128 --out bench/results/NAME
+    python -m bench.timeline --models llama-seq512,bert-seq128 --out bench/results/NAME [--rounds 5]
 
 Implementations: ours, ours built without programmatic dependent launch (`ours_serial_launch`:
 each kernel waits for the one before it to retire, tvm_ext/passes/dependent_launch.py) and
-torch.compile. For each model and implementation: the median of `triton.testing.do_bench` (L2 flushed before each
-call, as bench/e2e.py times), the mean of 20 calls back to back, and one call's GPU timeline
+torch.compile. For each model and implementation: the medians of `triton.testing.do_bench` (L2 flushed before each
+call, as bench/e2e.py times) over `--rounds` rounds, the implementations taking turns in each round
+(torch.compile's time moves between runs of one process by more than the differences measured), the mean of 20 calls back to back, and one call's GPU timeline
 (torch.profiler, after an L2 flush): its span from the first kernel's start to the last one's end,
 the sum of its kernel times, the idle gaps between kernels, each kernel, and the host time to
 enqueue the call (the last of three: the profiler slows the first ones). A kernel-time sum averaged
@@ -19,6 +20,7 @@ import argparse
 import copy
 import json
 import os
+import statistics
 import tempfile
 import time
 
@@ -87,6 +89,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="llama-seq512")
     parser.add_argument("--out", required=True, help="path without extension; NAME.json is written")
+    parser.add_argument("--rounds", type=int, default=1, help="timing rounds, the implementations taking turns")
     args = parser.parse_args(argv)
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")  # larger than the L2
     results = {}
@@ -98,10 +101,14 @@ def main(argv=None) -> int:
             impls = {"ours": tvm_callable(tvm_ext.build(mod, "cuda")),
                      "ours_serial_launch": tvm_callable(build_serial_launch(mod, "cuda")),
                      "torch_compile": torch.compile(module, dynamic=False)}
-            results[name] = {impl: {"do_bench_us": time_us(fn, [x]), "back_to_back_us": back_to_back_us(fn, x),
-                                    "one_call": one_call(fn, x, flush)} for impl, fn in impls.items()}
+            rounds = [{impl: time_us(fn, [x]) for impl, fn in impls.items()} for _ in range(args.rounds)]
+            results[name] = {impl: {"do_bench_us": statistics.median(r[impl] for r in rounds),
+                                    "rounds_us": [round(r[impl], 1) for r in rounds],
+                                    "back_to_back_us": back_to_back_us(fn, x), "one_call": one_call(fn, x, flush)}
+                             for impl, fn in impls.items()}
         for impl, r in results[name].items():
-            print(name, impl, {k: v for k, v in r["one_call"].items() if k != "kernels"}, f"do_bench {r['do_bench_us']:.1f}")
+            print(name, impl, {k: v for k, v in r["one_call"].items() if k != "kernels"}, f"do_bench {r['do_bench_us']:.1f}",
+                  r["rounds_us"])
         with open(args.out + ".json", "w") as f:
             json.dump(results, f, indent=1)
     return 0
