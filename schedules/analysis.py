@@ -19,9 +19,6 @@ from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
 
 ROW = "row"  # the innermost reduce axis is the innermost (contiguous) axis of the input
 COLUMN = "column"  # the innermost input axis is a spatial one: reduce across rows
-# PrimFunc attribute the pipeline sets: positions of the inputs that no kernel of a model's call
-# writes (its constants and parameters), which a kernel may read before the kernel ahead of it ends
-READ_ONLY_INPUTS = "tvm_ext.read_only_inputs"
 
 
 @dataclass
@@ -236,9 +233,3 @@ def substitute(expr, bindings: dict):
         return var
 
     return tvm_ffi.structural_map(expr, (tirx.Var, replace))
-
-
-def reads_only_input(func: tirx.PrimFunc, buffer: tirx.Buffer) -> bool:
-    """Whether `buffer` is an input of `func` that the pipeline marked read-only (READ_ONLY_INPUTS)."""
-    marked = [int(i) for i in (func.attrs or {}).get(READ_ONLY_INPUTS, [])]
-    return any(func.params[i].same_as(buffer) for i in marked if i < len(func.params))

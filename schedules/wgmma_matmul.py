@@ -48,7 +48,7 @@ from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 from tvm.script import tirx as T
 
 from . import matmul
-from .analysis import reads_only_input, substitute
+from .analysis import substitute
 
 NAME = "wgmma_matmul"
 ROWS = 64  # of one warpgroup's m64nNk16
@@ -302,21 +302,17 @@ def _apply(func: tirx.PrimFunc, found, knobs: dict) -> s_tir.Schedule | None:
     bm, bn, stages, group, tma = (int(knobs.get(x, 0)) for x in ("block_m", "block_n", "stages", "group", "tma"))
     *batch, m, n, k = _sizes(found)
     views = _tma_views(block) if tma else None
-    weights_early = bool(views) and reads_only_input(func, matmul.multiply_accumulate(block.body)[1].source)
     if bm % ROWS or bn % 32 or bn > 256 or m % bm or not _width_fits(bn, n, not matmul.k_is_last(block)[1]) \
             or stages < 2 + _in_flight(bm, bn, stages) or group and m // bm % group \
             or not _output_bytes(bm, bn) <= stages * stage_bytes(bm, bn) <= matmul.MAX_SHARED \
             or tma and (views is None or not _tma_fits(bm, bn, stages)):
         return None
-    return s_tir.Schedule(func.with_body(_kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k,
-                                                 weights_early)))
+    return s_tir.Schedule(func.with_body(_kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k)))
 
 
-def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k, weights_early=False) -> tirx.Stmt:
+def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k) -> tirx.Stmt:
     """The loop nest, written against the original function's buffers; with `views` (_tma_views),
-    loaded by TMA, after the host statements that encode its descriptors. With `weights_early` (B is
-    an input no kernel of the call writes), the producer loads B's first stages before it waits for
-    the kernel launched ahead of this one (passes/dependent_launch.py); every other thread waits first."""
+    loaded by TMA, after the host statements that encode its descriptors."""
     a_load, b_load = matmul.multiply_accumulate(block.body)
     ivs = [iv.var for iv in block.iter_vars]
     *batch_vars, row_var, col_var, k_var = ivs
@@ -443,8 +439,6 @@ def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k, weights
             T.address_of(desc_a[0]), T.address_of(smem[tx // WARPGROUP * ROWS * K_TILE]), 1, ATOM_BYTES // 16, SWIZZLE_128B))
         T.evaluate(T.cuda.wgmma.encode_matrix_descriptor(
             T.address_of(desc_b[0]), T.address_of(smem[a_elems]), b_lbo, ATOM_BYTES // 16, SWIZZLE_128B))
-        if weights_early and tx != consumers:
-            T.ptx["griddepcontrol.wait"]()
         if tma:  # a producer warp loads each stage by TMA once the consumers released it ("empty")
             bars = T.decl_buffer((2 * stages,), "uint64", data=smem.data, elem_offset=stages * stage_elems // 4,  # 4 fp16 a uint64
                                  scope="shared.dyn")
@@ -455,26 +449,14 @@ def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k, weights
                 T.ptx["fence.mbarrier_init.release.cluster"]()
             T.tvm_storage_sync("shared")
             if tx >= consumers:
-                if weights_early and tx == consumers:  # B's first stages while the kernel ahead still runs
-                    for kt in range(min(stages, k_tiles)):
-                        T.ptx["mbarrier.arrive.expect_tx.shared::cta.b64"](T.address_of(bars[kt]), stage_elems * 2)
-                        load_b(smem, kt, kt, bx, bz, T.address_of(bars[kt]))
-                    T.ptx["griddepcontrol.wait"]()
                 for kt in range(k_tiles):
                     if kt >= stages:  # the consumers' (kt // stages)-th release of this stage
                         T.cuda.mbarrier_wait(T.address_of(bars[stages + kt % stages]), (kt // stages + 1) % 2)
                     if tx == consumers:
-                        if weights_early:
-                            if kt >= stages:
-                                T.ptx["mbarrier.arrive.expect_tx.shared::cta.b64"](T.address_of(bars[kt % stages]),
-                                                                                  stage_elems * 2)
-                                load_b(smem, kt % stages, kt, bx, bz, T.address_of(bars[kt % stages]))
-                        else:
-                            T.ptx["mbarrier.arrive.expect_tx.shared::cta.b64"](T.address_of(bars[kt % stages]), stage_elems * 2)
+                        T.ptx["mbarrier.arrive.expect_tx.shared::cta.b64"](T.address_of(bars[kt % stages]), stage_elems * 2)
                         tma_load(a_map, a_view, T.address_of(smem[kt % stages * stage_elems]), kt * K_TILE, by * bm, bz,
                                  T.address_of(bars[kt % stages]))
-                        if not weights_early:
-                            load_b(smem, kt % stages, kt, bx, bz, T.address_of(bars[kt % stages]))
+                        load_b(smem, kt % stages, kt, bx, bz, T.address_of(bars[kt % stages]))
             else:
                 for kt in range(k_tiles):
                     T.cuda.mbarrier_wait(T.address_of(bars[kt % stages]), kt // stages % 2)

@@ -7,9 +7,6 @@ import tvm
 from tvm import relax
 
 
-CALL_TIR = tvm.ir.Op.get("relax.call_tir")
-
-
 def op_name(expr) -> str:
     """The Relax op `expr` calls ("relax.matmul"), "" for anything else."""
     return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) else ""
@@ -40,28 +37,3 @@ class Bindings:
 
     def producer(self, expr):
         return self.value.get(expr) if isinstance(expr, relax.Var) else None
-
-
-def call_tir_args(call: relax.Call) -> list:
-    """The tensors a call_tir passes (its second argument, a tuple or a single expression)."""
-    return list(call.args[1].fields) if isinstance(call.args[1], relax.Tuple) else [call.args[1]]
-
-
-def read_only_inputs(mod: tvm.IRModule) -> dict:
-    """{PrimFunc name: positions of its inputs that every call of it from `main` passes a constant or a
-    parameter of main}: tensors no kernel of the call writes, so a kernel may read them before the
-    kernels launched ahead of it have finished."""
-    main = next((f for gv, f in mod.functions_items() if gv.name_hint == "main"), None)
-    if not isinstance(main, relax.Function):
-        return {}
-    params, found = set(main.params), {}
-
-    def visit(expr):
-        if isinstance(expr, relax.Call) and expr.op.same_as(CALL_TIR):
-            args = call_tir_args(expr)
-            fixed = {i for i, a in enumerate(args) if isinstance(a, tvm.ir.expr.GenericConst) or a in params}
-            name = expr.args[0].name_hint
-            found[name] = found.get(name, fixed) & fixed
-
-    relax.analysis.post_order_visit(main.body, visit)
-    return found

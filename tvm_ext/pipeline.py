@@ -28,13 +28,12 @@ from tvm.s_tir import pipeline as s_tir_pipeline
 from tvm.target import Target
 
 import schedules
-from schedules.analysis import READ_ONLY_INPUTS, is_reduce_subgraph
+from schedules.analysis import is_reduce_subgraph
 from schedules.device import device_of
 from schedules.elementwise import Elementwise
 from schedules.grid_reduce import ZEROED_INPUTS
 
 from . import welford
-from .bindings import read_only_inputs
 from .attention import fuse_attention
 from .half_math import half_math_in_float
 from .legalize import legalizations
@@ -112,14 +111,11 @@ class ScheduleContractions:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         target = Target.current()
-        read_only = read_only_inputs(mod)
         for gv, func in list(mod.functions_items()):
             if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False) \
                     or schedules.contraction_template(func) is None:
                 continue
-            knobs = self.database.lookup(func, target) if self.database else None  # keyed by the function as fused
-            weights = sorted(read_only.get(gv.name_hint, ()))  # a template may load these early
-            sch = schedules.schedule(func.with_attr(READ_ONLY_INPUTS, weights), target, knobs)
+            sch = schedules.schedule(func, target, self.database.lookup(func, target) if self.database else None)
             if sch is not None:
                 mod.update_func(gv, sch.mod["main"].with_attr(SCHEDULED, True))
         return mod

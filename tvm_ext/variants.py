@@ -19,16 +19,21 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from schedules.analysis import substitute
 from schedules.grid_reduce import ZEROED_INPUTS
 
-from .bindings import CALL_TIR, call_tir_args
+CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 
 def _tensor_types(ty) -> list:
     return list(ty.fields) if isinstance(ty, relax.TupleType) else [ty]
 
 
+def _call_args(call: relax.Call) -> list:
+    """The tensors a call_tir passes (its second argument, a tuple or a single expression)."""
+    return list(call.args[1].fields) if isinstance(call.args[1], relax.Tuple) else [call.args[1]]
+
+
 def _shape_bindings(func: tirx.PrimFunc, call: relax.Call) -> dict:
     """Map the PrimFunc's symbolic dims to the caller's shape expressions."""
-    types = [a.ty for a in call_tir_args(call)] + _tensor_types(call.ty)
+    types = [a.ty for a in _call_args(call)] + _tensor_types(call.ty)
     bindings = {}
     for param, ty in zip(func.params, types):
         if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
@@ -64,7 +69,7 @@ class _DispatchCallSites(PyExprMutator):
         return expr.body
 
     def _call(self, call, gv):
-        args = call_tir_args(call)
+        args = _call_args(call)
         zeroed = (self.mod_[gv].attrs or {}).get(ZEROED_INPUTS, [])
         args += [relax.const(np.zeros([int(d) for d in shape], str(dtype))) for shape, dtype in zeroed]
         return relax.Call(call.op, [gv, relax.Tuple(args)] + list(call.args[2:]), call.attrs, call.ty_args)

@@ -13,8 +13,7 @@ after is launched while this one runs), and the launch tag "tirx.use_programtic_
 (TVM's spelling), with which TVM's CUDA runtime launches it through cuLaunchKernelEx with that
 attribute. The tag travels with an exported module. Since each kernel waits for the one before it
 to complete, and that one waited for its own predecessor, every kernel still sees all earlier
-writes. A kernel that places its own waits keeps them (the wgmma matmul loads its weights first,
-schedules/wgmma_matmul.py); it gets the trigger and the tag. Kernels launched cooperatively (grid barrier) are left as they are: their blocks must all
+writes. Kernels launched cooperatively (grid barrier) are left as they are: their blocks must all
 be resident at once, which blocks of a waiting kernel could prevent.
 """
 
@@ -23,14 +22,12 @@ from __future__ import annotations
 import re
 
 import tvm
-import tvm_ffi
 from tvm import tirx
 from tvm.script import tirx as T
 
 from .cooperative_launch import COOPERATIVE_LAUNCH, DYNAMIC_SHARED_MEMORY, LAUNCH_PARAMS
 
 DEPENDENT_LAUNCH = "tirx.use_programtic_dependent_launch"
-WAIT = str(T.ptx["griddepcontrol.wait"]())
 MIN_ARCH = 90  # griddepcontrol needs sm_90
 
 
@@ -39,20 +36,12 @@ def supports_dependent_launch(target) -> bool:
     return arch is not None and int(arch.group(1)) >= MIN_ARCH
 
 
-def _waits(body: tirx.Stmt) -> bool:
-    """Whether the kernel places its own waits (a template that reads its weights before waiting)."""
-    found = []
-    tvm_ffi.structural_walk(body, (tvm.ir.Call, lambda e: found.append(e) if str(e).startswith(WAIT) else None),
-                            order="pre")
-    return bool(found)
-
-
-def _with_wait_and_trigger(body: tirx.Stmt, wait: bool) -> tirx.Stmt:
-    """`body` with the wait (if `wait`) and the trigger placed inside its thread bindings, before anything else."""
+def _with_wait_and_trigger(body: tirx.Stmt) -> tirx.Stmt:
+    """`body` with the wait and the trigger placed inside its thread bindings, before anything else."""
     if isinstance(body, tirx.AttrStmt) and body.attr_key == "thread_extent":
-        return tirx.AttrStmt(body.node, body.attr_key, body.value, _with_wait_and_trigger(body.body, wait))
-    first = [T.ptx["griddepcontrol.wait"]()] if wait else []
-    return tirx.SeqStmt([tirx.Evaluate(e) for e in first + [T.ptx["griddepcontrol.launch_dependents"]()]] + [body])
+        return tirx.AttrStmt(body.node, body.attr_key, body.value, _with_wait_and_trigger(body.body))
+    return tirx.SeqStmt([tirx.Evaluate(T.ptx["griddepcontrol.wait"]()),
+                         tirx.Evaluate(T.ptx["griddepcontrol.launch_dependents"]()), body])
 
 
 @tvm.transform.module_pass(opt_level=0, name="TVMExtDependentLaunch")
@@ -67,5 +56,5 @@ def dependent_launch(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
             continue
         last = [DYNAMIC_SHARED_MEMORY] if DYNAMIC_SHARED_MEMORY in tags else []  # TVM wants it last
         tags = [t for t in tags if t != DYNAMIC_SHARED_MEMORY] + [DEPENDENT_LAUNCH] + last
-        mod[gv] = func.with_body(_with_wait_and_trigger(func.body, not _waits(func.body))).with_attr(LAUNCH_PARAMS, tags)
+        mod[gv] = func.with_body(_with_wait_and_trigger(func.body)).with_attr(LAUNCH_PARAMS, tags)
     return mod
