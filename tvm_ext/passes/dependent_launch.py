@@ -1,20 +1,23 @@
-"""Programmatic dependent launch: each kernel on Hopper starts while the one before it ends.
+"""Programmatic dependent launch: each kernel on Hopper is launched while the one before it retires.
 
 Between two kernels of one stream the GPU normally waits for the first grid to finish, flush its
-memory and retire before it launches the second: about 1.5 us per boundary, 20 us across the 14
+memory and retire before it launches the second: about 1.5 us per boundary, 20 us across the 12
 kernels of a LLaMA layer at seq 512 (bench/timeline.py). On sm_90 a kernel launched with
-"programmatic stream serialization" may start as soon as every block of the kernel before it has
-executed `griddepcontrol.launch_dependents` (or exited); it must then execute `griddepcontrol.wait`,
+"programmatic stream serialization" may be launched once every block of the kernel before it has
+executed `griddepcontrol.launch_dependents` or exited; it must then execute `griddepcontrol.wait`,
 which returns once that kernel has completed and its writes are visible, before it touches memory.
 
-This late-phase pass gives every CUDA kernel for sm_90 or newer both instructions at the top of its
-body (wait first, so no access can run ahead of the kernel before; the trigger next, so the kernel
-after is launched while this one runs), and the launch tag "tirx.use_programtic_dependent_launch"
-(TVM's spelling), with which TVM's CUDA runtime launches it through cuLaunchKernelEx with that
-attribute. The tag travels with an exported module. Since each kernel waits for the one before it
-to complete, and that one waited for its own predecessor, every kernel still sees all earlier
-writes. Kernels launched cooperatively (grid barrier) are left as they are: their blocks must all
-be resident at once, which blocks of a waiting kernel could prevent.
+This late-phase pass gives every CUDA kernel for sm_90 or newer the wait at the top of its body,
+so no access can run ahead of the kernel before, and the launch tag
+"tirx.use_programtic_dependent_launch" (TVM's spelling), with which TVM's CUDA runtime launches it
+through cuLaunchKernelEx with that attribute. The tag travels with an exported module. Since each
+kernel waits for the one before it to complete, and that one waited for its own predecessor, every
+kernel still sees all earlier writes. No kernel triggers its dependents early: each block's exit
+does. A trigger at the top of every kernel (the next kernel's blocks resident while this one runs)
+measured slower on every model, and so did matmuls loading their weights before the wait
+(bench/results/h200-2026-11-24-s15-trigger-placement-ab.json, -s15-weights-early-ab.json).
+Kernels launched cooperatively (grid barrier) are left as they are: their blocks must all be
+resident at once, which blocks of a waiting kernel could prevent.
 """
 
 from __future__ import annotations
@@ -36,12 +39,11 @@ def supports_dependent_launch(target) -> bool:
     return arch is not None and int(arch.group(1)) >= MIN_ARCH
 
 
-def _with_wait_and_trigger(body: tirx.Stmt) -> tirx.Stmt:
-    """`body` with the wait and the trigger placed inside its thread bindings, before anything else."""
+def _with_wait(body: tirx.Stmt) -> tirx.Stmt:
+    """`body` with the wait placed inside its thread bindings, before anything else."""
     if isinstance(body, tirx.AttrStmt) and body.attr_key == "thread_extent":
-        return tirx.AttrStmt(body.node, body.attr_key, body.value, _with_wait_and_trigger(body.body))
-    return tirx.SeqStmt([tirx.Evaluate(T.ptx["griddepcontrol.wait"]()),
-                         tirx.Evaluate(T.ptx["griddepcontrol.launch_dependents"]()), body])
+        return tirx.AttrStmt(body.node, body.attr_key, body.value, _with_wait(body.body))
+    return tirx.SeqStmt([tirx.Evaluate(T.ptx["griddepcontrol.wait"]()), body])
 
 
 @tvm.transform.module_pass(opt_level=0, name="TVMExtDependentLaunch")
@@ -56,5 +58,5 @@ def dependent_launch(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
             continue
         last = [DYNAMIC_SHARED_MEMORY] if DYNAMIC_SHARED_MEMORY in tags else []  # TVM wants it last
         tags = [t for t in tags if t != DYNAMIC_SHARED_MEMORY] + [DEPENDENT_LAUNCH] + last
-        mod[gv] = func.with_body(_with_wait_and_trigger(func.body)).with_attr(LAUNCH_PARAMS, tags)
+        mod[gv] = func.with_body(_with_wait(func.body)).with_attr(LAUNCH_PARAMS, tags)
     return mod
