@@ -4,9 +4,10 @@
 
 Implementations: ours, ours built without programmatic dependent launch (`ours_serial_launch`:
 each kernel waits for the one before it to retire, tvm_ext/passes/dependent_launch.py) and
-torch.compile. For each model and implementation: the medians of `triton.testing.do_bench` (L2 flushed before each
-call, as bench/e2e.py times) over `--rounds` rounds, the implementations taking turns in each round
-(torch.compile's time moves between runs of one process by more than the differences measured), the mean of 20 calls back to back, and one call's GPU timeline
+torch.compile. For each model and implementation: the median of `triton.testing.do_bench` (L2
+flushed before each call, as bench/e2e.py times) over `--rounds` rounds in which the
+implementations take turns (torch.compile's time moves between runs of one process by more than
+the differences measured), the mean of 20 calls back to back, and one call's GPU timeline
 (torch.profiler, after an L2 flush): its span from the first kernel's start to the last one's end,
 the sum of its kernel times, the idle gaps between kernels, each kernel, and the host time to
 enqueue the call (the last of three: the profiler slows the first ones). A kernel-time sum averaged

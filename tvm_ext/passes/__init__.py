@@ -10,7 +10,7 @@ Built in: `narrow_index` (early) rewrites the kernels tvm_ext/narrowing.py marke
 `AutoTensorize` (early) makes tensor-core code of the matmul template's schedules (tensorize.py);
 `bool_loads_as_bytes_pass` (early) reads bool buffers in vector loops as bytes (TVM's CUDA codegen misprints them);
 `cooperative_launch` (late) launches kernels that use a grid-wide barrier cooperatively;
-`dependent_launch` (late, after it) lets each other kernel on sm_90+ launch while the one before it ends;
+`dependent_launch` (late, after it) launches every other kernel on sm_90+ while the one before it retires;
 `welford_lower` (late) gives Welford updates CUDA's fast approximate reciprocal.
 """
 

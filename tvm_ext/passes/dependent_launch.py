@@ -48,13 +48,15 @@ def _with_wait(body: tirx.Stmt) -> tirx.Stmt:
 
 @tvm.transform.module_pass(opt_level=0, name="TVMExtDependentLaunch")
 def dependent_launch(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Each device kernel for sm_90+, cooperative ones aside: the wait first, and the launch tag."""
     for gv, func in list(mod.functions_items()):
         if not isinstance(func, tirx.PrimFunc) or not func.attrs:
             continue
         params, target = func.attrs.get(LAUNCH_PARAMS, None), func.attrs.get("target", None)
-        tags = [str(t) for t in params] if params is not None else []
-        if (target is None or not supports_dependent_launch(target) or COOPERATIVE_LAUNCH in tags
-                or DEPENDENT_LAUNCH in tags or params is None):
+        if params is None or target is None or not supports_dependent_launch(target):
+            continue  # host functions, CPU kernels, GPUs before sm_90
+        tags = [str(t) for t in params]
+        if COOPERATIVE_LAUNCH in tags or DEPENDENT_LAUNCH in tags:
             continue
         last = [DYNAMIC_SHARED_MEMORY] if DYNAMIC_SHARED_MEMORY in tags else []  # TVM wants it last
         tags = [t for t in tags if t != DYNAMIC_SHARED_MEMORY] + [DEPENDENT_LAUNCH] + last
