@@ -4,10 +4,12 @@ import ml_dtypes
 import numpy as np
 import tvm
 import tvm_ffi
-from tvm import relax
+from tvm import relax, tirx
 from tvm.runtime.vm import VirtualMachine
 
+import tvm_ext
 from bench.suite import concrete_shape, load_suite, random_inputs, reference
+from tvm_ext.passes.cooperative_launch import LAUNCH_PARAMS
 
 CASES = load_suite()
 NP_DTYPE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
@@ -66,3 +68,21 @@ def instantiate(case: dict, shape: list, row_cap: int = 5) -> list[dict]:
 
 
 __all__ = ["CASES", "assert_close", "concrete_shape", "instantiate", "run_case", "small_shape", "variance_module"]
+
+
+def build_recording_launch(mod, target, **options):
+    """(executable, CUDA source, {kernel: launch tags}) of one build: the tags as the late passes
+    leave them (a recording pass registered after the built-in ones)."""
+    launch = {}
+
+    @tirx.transform.prim_func_pass(opt_level=0, name="RecordLaunchParams")
+    def record(func, _mod, _ctx):
+        launch[str(func.attrs["global_symbol"])] = [str(t) for t in func.attrs.get(LAUNCH_PARAMS, [])]
+        return func
+
+    tvm_ext.register_tir_pass(record, phase="late")
+    try:
+        ex = tvm_ext.build(mod, target, **options)
+    finally:
+        tvm_ext.unregister_tir_pass(record)
+    return ex, tvm_ext.cuda_source(ex), launch

@@ -8,13 +8,14 @@ import subprocess
 
 import numpy as np
 import pytest
-from tvm import relax, tirx
+from tvm import relax
 
 import tvm_ext
 from bench.suite import relax_module
 from conftest import CUDA_TARGET
+from helpers import build_recording_launch
 from tvm_ext.passes import registered_tir_passes, tir_pass_disabled
-from tvm_ext.passes.cooperative_launch import COOPERATIVE_LAUNCH, DYNAMIC_SHARED_MEMORY, LAUNCH_PARAMS
+from tvm_ext.passes.cooperative_launch import COOPERATIVE_LAUNCH, DYNAMIC_SHARED_MEMORY
 from tvm_ext.passes.dependent_launch import DEPENDENT_LAUNCH, dependent_launch
 
 WAIT, TRIGGER = "tvm_builtin_ptx_griddepcontrol_wait();", "tvm_builtin_ptx_griddepcontrol_launch_dependents();"
@@ -29,23 +30,6 @@ def norm_then_softmax(rows: int = 512, width: int = 4096) -> relax.Function:
             out = bb.emit_output(relax.op.nn.softmax(bb.emit(relax.op.nn.rms_norm(x, w, axes=[-1]))))
         bb.emit_func_output(out)
     return bb.get()
-
-
-def build_recording_launch(mod, target, **options):
-    """(executable, CUDA source, {kernel: launch tags}) of one build."""
-    launch = {}
-
-    @tirx.transform.prim_func_pass(opt_level=0, name="RecordLaunchParams")
-    def record(func, _mod, _ctx):
-        launch[str(func.attrs["global_symbol"])] = [str(t) for t in func.attrs.get(LAUNCH_PARAMS, [])]
-        return func
-
-    tvm_ext.register_tir_pass(record, phase="late")  # after the built-in passes
-    try:
-        ex = tvm_ext.build(mod, target, **options)
-    finally:
-        tvm_ext.unregister_tir_pass(record)
-    return ex, tvm_ext.cuda_source(ex), launch
 
 
 def kernel_bodies(src: str) -> dict:

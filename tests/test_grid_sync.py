@@ -5,15 +5,14 @@ import shutil
 import subprocess
 
 import pytest
-from tvm import tirx
 
 import schedules
 import tvm_ext
 from bench.suite import relax_module
 from conftest import CUDA_TARGET
 from barriers import divergent_barriers
-from helpers import variance_module
-from tvm_ext.passes.cooperative_launch import COOPERATIVE_LAUNCH, DYNAMIC_SHARED_MEMORY, LAUNCH_PARAMS
+from helpers import build_recording_launch, variance_module
+from tvm_ext.passes.cooperative_launch import COOPERATIVE_LAUNCH, DYNAMIC_SHARED_MEMORY
 from tvm_ext.pipeline import fused_reduce_functions
 
 TARGET = tvm_ext.parse_target(CUDA_TARGET)
@@ -34,19 +33,7 @@ def build(op, shape, dtype):
     key = (op, tuple(shape), dtype)
     opts = options(op, shape)
     if key not in _built:
-        launch = {}
-
-        @tirx.transform.prim_func_pass(opt_level=0, name="RecordLaunchParams")
-        def record(func, _mod, _ctx):
-            launch[str(func.attrs["global_symbol"])] = [str(t) for t in func.attrs.get(LAUNCH_PARAMS, [])]
-            return func
-
-        tvm_ext.register_tir_pass(record, phase="late")  # after the built-in cooperative_launch pass
-        try:
-            ex = tvm_ext.build(relax_module(op, shape, dtype), CUDA_TARGET, **opts)
-        finally:
-            tvm_ext.unregister_tir_pass(record)
-        _built[key] = (ex, tvm_ext.cuda_source(ex), launch)
+        _built[key] = build_recording_launch(relax_module(op, shape, dtype), CUDA_TARGET, **opts)
     return _built[key]
 
 

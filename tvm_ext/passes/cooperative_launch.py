@@ -41,11 +41,15 @@ def cooperative_launch(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         params = isinstance(func, tirx.PrimFunc) and func.attrs and func.attrs.get(LAUNCH_PARAMS, None)
         if params is None or not calls_grid_sync(func) or COOPERATIVE_LAUNCH in params:
             continue
-        tags = [str(t) for t in params]
-        last = [DYNAMIC_SHARED_MEMORY] if DYNAMIC_SHARED_MEMORY in tags else []
-        tags = [t for t in tags if t != DYNAMIC_SHARED_MEMORY] + [COOPERATIVE_LAUNCH] + last
-        mod[gv] = func.with_attr(LAUNCH_PARAMS, tags)
+        mod[gv] = func.with_attr(LAUNCH_PARAMS, with_launch_tag(params, COOPERATIVE_LAUNCH))
     return mod
+
+
+def with_launch_tag(params, tag: str) -> list[str]:
+    """Launch params `params` with `tag` added, before the dynamic shared memory tag TVM wants last."""
+    tags = [str(t) for t in params]
+    last = [DYNAMIC_SHARED_MEMORY] if DYNAMIC_SHARED_MEMORY in tags else []
+    return [t for t in tags if t != DYNAMIC_SHARED_MEMORY] + [tag] + last
 
 
 def with_header(code: str) -> str:

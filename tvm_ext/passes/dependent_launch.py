@@ -28,7 +28,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cooperative_launch import COOPERATIVE_LAUNCH, DYNAMIC_SHARED_MEMORY, LAUNCH_PARAMS
+from .cooperative_launch import COOPERATIVE_LAUNCH, LAUNCH_PARAMS, with_launch_tag
 
 DEPENDENT_LAUNCH = "tirx.use_programtic_dependent_launch"
 MIN_ARCH = 90  # griddepcontrol needs sm_90
@@ -55,10 +55,8 @@ def dependent_launch(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         params, target = func.attrs.get(LAUNCH_PARAMS, None), func.attrs.get("target", None)
         if params is None or target is None or not supports_dependent_launch(target):
             continue  # host functions, CPU kernels, GPUs before sm_90
-        tags = [str(t) for t in params]
-        if COOPERATIVE_LAUNCH in tags or DEPENDENT_LAUNCH in tags:
+        if {COOPERATIVE_LAUNCH, DEPENDENT_LAUNCH} & {str(t) for t in params}:
             continue
-        last = [DYNAMIC_SHARED_MEMORY] if DYNAMIC_SHARED_MEMORY in tags else []  # TVM wants it last
-        tags = [t for t in tags if t != DYNAMIC_SHARED_MEMORY] + [DEPENDENT_LAUNCH] + last
+        tags = with_launch_tag(params, DEPENDENT_LAUNCH)
         mod[gv] = func.with_body(_with_wait(func.body)).with_attr(LAUNCH_PARAMS, tags)
     return mod
