@@ -158,3 +158,53 @@ def test_the_moved_residual_computes_the_same(rng):
         out = VirtualMachine(tvm_ext.build(linear_residual(8, 16, "float32", residual_first), "llvm"), tvm.cpu())["main"](
             tvm.runtime.tensor(x), tvm.runtime.tensor(w)).numpy()
         np.testing.assert_allclose(out, x + (x.reshape(8, 16) @ w).reshape(2, 4, 16), rtol=1e-5, atol=1e-5)
+
+
+SM_90A = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def linear(rows, n, k, dtype="float16", seed=0):
+    """x @ W.T with a constant [n, k] weight as the frontend writes torch.nn.Linear: a transpose,
+    then the float32 product rounded to `dtype`."""
+    weight = (np.random.default_rng(seed).standard_normal((n, k)) / 8).astype(dtype)
+    x = relax.Var("x", relax.TensorType([rows, k], dtype))
+
+    def body(bb, x):
+        transposed = bb.emit(relax.op.permute_dims(relax.const(weight)))
+        return relax.op.astype(bb.emit(relax.op.matmul(x, transposed, out_dtype="float32")), dtype)
+    return main_module(body, [x]), weight
+
+
+def _fused_matmul(mod, target):
+    fused = tvm_ext.pipeline.fused_module(mod, tvm_ext.parse_target(target))
+    return next(f for gv, f in fused.functions_items() if isinstance(f, tvm.tirx.PrimFunc) and "matmul" in gv.name_hint)
+
+
+def test_on_sm_90a_a_linear_reads_its_weight_as_stored():
+    from schedules import wgmma_matmul  # noqa: PLC0415
+
+    mod, _ = linear(512, 448, 256)
+    func = _fused_matmul(mod, SM_90A)
+    assert [int(d) for d in func.params[1].shape] == [448, 256]  # [n, k]: no transpose folded into a [k, n] copy
+    assert 224 in {p["block_n"] for p in wgmma_matmul.knob_space(func)}  # any 32 columns wide, not whole 64-column atoms
+    sm_90 = _fused_matmul(mod, CUDA_TARGET)
+    assert [int(d) for d in sm_90.params[1].shape] == [256, 448]  # sm_90 (the mma.sync template): folded as before
+
+
+def test_few_row_linears_keep_their_transpose_for_split_k():
+    mod, _ = linear(64, 4096, 4096)
+    fused = tvm_ext.pipeline.fused_module(mod, tvm_ext.parse_target(SM_90A))
+    assert not any("matmul_nt" in gv.name_hint for gv, _ in fused.functions_items())
+
+
+def test_the_weight_read_as_stored_gives_the_product(rng):
+    from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
+
+    mod, weight = linear(128, 64, 64)
+    with tvm_ext.parse_target(SM_90A):
+        rewritten = read_transposed_operand(mod)
+    assert _ops(rewritten) == ["matmul_nt"]
+    x = rng.standard_normal((128, 64)).astype("float16")
+    got = VirtualMachine(tvm_ext.build(rewritten, "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
+    want = (x.astype("float32") @ weight.astype("float32").T).astype("float16")
+    np.testing.assert_allclose(got.astype("float32"), want.astype("float32"), rtol=2e-3, atol=2e-3)

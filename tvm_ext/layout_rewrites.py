@@ -7,6 +7,12 @@
   H200, against 30 us for the same work on q). Here the matmul reads the untransposed k instead, as
   a `[batch, n, k]` operand: the matmul template and the auto-tensorization pass take it as a
   col-major matrix_b.
+* On wgmma targets (sm_90a), `x @ W.T` with a 2-D weight reads W as stored, [n, k], when the
+  wgmma template takes the matmul whole. Folded at compile time, the transpose gave an n-major B,
+  which the template loads in 64-column atoms, so its tiles are whole atoms: LLaMA-512's joined
+  gate and up projections (512 x 22016 x 4096) took 128 x 256 tiles, 2.6 waves on 132 SMs. Read as
+  stored, 128 x 224 tiles make three full waves: 153.4 us against 159.3, and the whole layer 400.5
+  us against 412.9 (H200, bench/results/h200-2026-11-24-s16-l2-promotion-weight-layout.json).
 * `gelu(reshape(x))` as `reshape(gelu(x))`. The frontend computes a Linear on 2-D rows and reshapes
   the result back to [batch, seq, features] before the activation; FuseOps fuses a matmul with the
   elementwise work after it but stops at the reshape, so BERT's GELU ran as a kernel of its own (46
@@ -23,6 +29,9 @@ import tvm
 import tvm_ffi
 from tvm import relax, te
 from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.target import Target
+
+from schedules.device import device_of
 
 from .bindings import op_name
 
@@ -53,9 +62,16 @@ def static_shape(expr) -> list[int] | None:
 
 @mutator
 class _ReadTransposedOperand(PyExprMutator):
+    def __init__(self, mod, weights_as_stored: bool = False):
+        super().__init__(mod)
+        self.weights_as_stored = weights_as_stored
+
     def visit_call_(self, call):
         call = self.visit_expr_post_order(call)
-        if op_name(call) != "relax.matmul" or len(shape_of(call.args[0]) or []) < 3:
+        if op_name(call) != "relax.matmul":
+            return call
+        batched = len(shape_of(call.args[0]) or []) >= 3
+        if not batched and not (self.weights_as_stored and _wgmma_sized(call)):
             return call
         source = self._untransposed(call.args[1])
         if source is None:
@@ -63,7 +79,7 @@ class _ReadTransposedOperand(PyExprMutator):
         want = shape_of(call.args[1])  # [batch, k, n]: the untransposed source holds it as [batch, n, k]
         if shape_of(call.args[0])[:-2] != want[:-2]:
             return call
-        stored = self.builder_.emit(relax.op.reshape(source, [*want[:-2], want[-1], want[-2]]))
+        stored = self.builder_.emit(relax.op.reshape(source, [*want[:-2], want[-1], want[-2]])) if batched else source
         return self.builder_.call_te(matmul_nt_te, call.args[0], stored, str(call.attrs.out_dtype or call.ty.dtype),
                                      primfunc_name_hint="matmul_nt")
 
@@ -75,7 +91,7 @@ class _ReadTransposedOperand(PyExprMutator):
             name = op_name(bound)
             if name == "relax.permute_dims":
                 rank = len(shape_of(bound) or [])
-                axes = [int(a) for a in bound.attrs.axes] if bound.attrs.axes is not None else None
+                axes = [int(a) for a in bound.attrs.axes] if bound.attrs.axes is not None else list(range(rank))[::-1]
                 swap = list(range(rank - 2)) + [rank - 1, rank - 2]
                 return bound.args[0] if axes == swap and rank >= 2 else None
             if name == "relax.broadcast_to" and shape_of(bound) == shape_of(bound.args[0]):
@@ -87,17 +103,30 @@ class _ReadTransposedOperand(PyExprMutator):
         return None
 
 
+def _wgmma_sized(call) -> bool:
+    """Whether a 2-D matmul is one the wgmma template takes whole: fp16 into float32, static sizes
+    of whole 64-element tiles, more rows than split-K's few (those keep TVM's legalization)."""
+    from .split_k import MAX_ROWS  # split_k reads shapes with this module's helpers
+
+    sa, sb = static_shape(call.args[0]), static_shape(call.args[1])
+    return sa is not None and sb is not None and len(sa) == len(sb) == 2 and str(call.args[0].ty.dtype) == "float16" \
+        and str(call.attrs.out_dtype) == "float32" and sa[0] > MAX_ROWS and all(d % 64 == 0 for d in (*sa, sb[1]))
+
+
 @tvm.transform.module_pass(opt_level=0, name="TVMExtReadTransposedOperand")
 def read_transposed_operand(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    """Matmuls by a transposed batched operand read it untransposed; the transposes left unused go."""
-    return _rewrite(mod, _ReadTransposedOperand, _has_batched_matmul)
+    """Matmuls by a transposed batched operand read it untransposed; on wgmma targets, so do the
+    2-D ones by a transposed [n, k] weight (see the module docstring); the transposes left unused go."""
+    target = Target.current()
+    as_stored = target is not None and device_of(target).wgmma
+    return _rewrite(mod, lambda m: _ReadTransposedOperand(m, as_stored), lambda f: as_stored or _has_batched_matmul(f))
 
 
-def _rewrite(mod: tvm.IRModule, rewriter_class, wanted) -> tvm.IRModule:
+def _rewrite(mod: tvm.IRModule, make_rewriter, wanted) -> tvm.IRModule:
     """`mod` with each Relax function for which `wanted(func)` rewritten, then dead bindings removed."""
     for gv, func in list(mod.functions_items()):
         if isinstance(func, relax.Function) and wanted(func):
-            rewriter = rewriter_class(mod)
+            rewriter = make_rewriter(mod)
             rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
             mod = rewriter.builder_.get()
     return relax.transform.DeadCodeElimination()(mod)
