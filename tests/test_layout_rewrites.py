@@ -208,3 +208,20 @@ def test_the_weight_read_as_stored_gives_the_product(rng):
     got = VirtualMachine(tvm_ext.build(rewritten, "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
     want = (x.astype("float32") @ weight.astype("float32").T).astype("float16")
     np.testing.assert_allclose(got.astype("float32"), want.astype("float32"), rtol=2e-3, atol=2e-3)
+
+
+def test_on_sm_90a_the_residual_stays_in_the_epilogue_of_a_linear_read_as_stored():
+    """The residual rewrite knows a matmul as relax.matmul, so it must run before the weight is read
+    as stored (matmul_nt): the other order left LLaMA's residual adds as kernels of their own."""
+    weight = relax.const((np.random.default_rng(0).standard_normal((128, 128)) / 8).astype("float16"))
+    x = relax.Var("x", relax.TensorType([2, 128, 128], "float16"))
+    op = relax.op
+
+    def body(bb, x):
+        rows = bb.emit(op.reshape(x, [256, 128]))
+        product = bb.emit(op.matmul(rows, bb.emit(op.permute_dims(weight)), out_dtype="float32"))
+        return op.add(x, bb.emit(op.reshape(bb.emit(op.astype(product, "float16")), [2, 128, 128])))
+    fused = tvm_ext.pipeline.fused_module(main_module(body, [x]), tvm_ext.parse_target(SM_90A))
+    names = [gv.name_hint for gv, f in fused.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert any("matmul_nt" in n and "add" in n for n in names), names
+    assert not any("add" in n and "matmul" not in n for n in names), names

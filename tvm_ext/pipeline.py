@@ -1,8 +1,8 @@
 """The `tvm_ext` Relax pipeline: legalize, fuse, schedule fused reductions with our templates.
 
 Order: Linear layers sharing an input joined into one matmul (parallel_matmuls.py) -> spelled-out attention as one fused kernel (sm_90a, attention.py) -> top-1 sorts as maxima -> half math around reductions in float32 -> library dispatch ->
-mean/variance pairing (Welford) -> matmuls by a transposed key read it untransposed, activations
-and residual adds before reshapes -> LegalizeOps (with our legalizations; on GPUs, split-K for matmuls with few
+mean/variance pairing (Welford) -> activations and residual adds before reshapes -> matmuls by a
+transposed key (on sm_90a also linears by their weight) read it untransposed -> LegalizeOps (with our legalizations; on GPUs, split-K for matmuls with few
 rows) -> AnnotateTIROpPattern ->
 FoldConstant -> FuseOps -> ours (reduce_fusion.py) -> FuseTIR -> leave dataflow form -> our
 schedules for every fused PrimFunc with a reduction (several kernels and a run-time `if` where dims
@@ -137,16 +137,16 @@ def fused_passes(target, **options) -> list:
     fused kernel (sm_90a), top-1 sorts that are maxima made
     maxima (before the library dispatch turns them into sort kernels), half arithmetic around
     reductions done in float32 with PyTorch's rounding points (half_math.py), library dispatch, the
-    pairing of mean with variance (Welford), matmuls by a transposed operand reading it untransposed
-    and activations and residual adds moved before reshapes (layout_rewrites.py), legalization (split-K for few-row
+    pairing of mean with variance (Welford), activations and residual adds moved before reshapes and
+    matmuls by a transposed operand reading it untransposed (layout_rewrites.py), legalization (split-K for few-row
     matmuls on GPUs, split_k.py), and fusion (FuseOps, then ours)."""
     variance = options.get("variance", "welford")
     statistics = [welford.pair_mean_with_variance] if variance == "welford" else []
     device = device_of(target)
     split_k = {"relax.matmul": split_k_legalization(device.sm_count)} if device.is_gpu else {}
     return [combine_parallel_linears, fuse_attention, max_from_top_one, half_math_in_float] + relax.pipeline.library_dispatch_passes(target) + statistics + [
+        activation_before_reshape,  # first: it recognises a residual's matmul as relax.matmul, before it is matmul_nt
         read_transposed_operand,
-        activation_before_reshape,
         relax.transform.LegalizeOps(customize_legalize_map={**legalizations(variance), **split_k}),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
