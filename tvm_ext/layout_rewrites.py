@@ -11,8 +11,10 @@
   wgmma template takes the matmul whole. Folded at compile time, the transpose gave an n-major B,
   which the template loads in 64-column atoms, so its tiles are whole atoms: LLaMA-512's joined
   gate and up projections (512 x 22016 x 4096) took 128 x 256 tiles, 2.6 waves on 132 SMs. Read as
-  stored, 128 x 224 tiles make three full waves: 153.4 us against 159.3, and the whole layer 400.5
-  us against 412.9 (H200, bench/results/h200-2026-11-24-s16-l2-promotion-weight-layout.json).
+  stored, 128 x 224 tiles make three full waves: 155.2 us against 162.4, and the whole layer 400.5
+  us against 412.9 (H200, bench/results/h200-2026-11-24-s16-l2-promotion-weight-layout.json, the
+  "p0" points). Runs after the residual rewrite below (`activation_before_reshape`), which knows
+  a matmul as relax.matmul.
 * `gelu(reshape(x))` as `reshape(gelu(x))`. The frontend computes a Linear on 2-D rows and reshapes
   the result back to [batch, seq, features] before the activation; FuseOps fuses a matmul with the
   elementwise work after it but stops at the reshape, so BERT's GELU ran as a kernel of its own (46
