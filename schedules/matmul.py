@@ -47,11 +47,12 @@ def multiply_accumulate(store) -> tuple | None:
     return a, b
 
 
-def contraction(func: tirx.PrimFunc):
+def contraction(func: tirx.PrimFunc, over_c: bool = True):
     """(Schedule, block, epilogue blocks) of a PrimFunc that is one `C[..., i, j] += cast(A[..., i, k])
     * cast(B[..., k, j])` (leading batch axes allowed) with low-precision inputs and a wider
     accumulator, followed by elementwise blocks over C's shape (the cast back to fp16, a bias or a
-    residual add: what FuseOps puts after a matmul); else None."""
+    residual add: what FuseOps puts after a matmul; with `over_c` False, spatial blocks of any
+    shape, which the caller checks); else None."""
     sch = s_tir.Schedule(func)
     blocks = sch.get_child_blocks(sch.get_sblock("root")) if _has_root(sch) else []
     if not blocks:
@@ -67,10 +68,15 @@ def contraction(func: tirx.PrimFunc):
     extents = [iv.dom.extent for iv in block.iter_vars[:-1]]
     for rv in blocks[1:]:
         ivs = sch.get(rv).iter_vars
-        if any(iv.iter_type != tirx.IterVar.DataPar for iv in ivs) or len(ivs) != len(extents) or \
-                any(not tvm.sym.Analyzer().can_prove_equal(iv.dom.extent, e) for iv, e in zip(ivs, extents)):
+        if any(iv.iter_type != tirx.IterVar.DataPar for iv in ivs) or over_c and not same_extents(ivs, extents):
             return None
     return sch, blocks[0], blocks[1:]
+
+
+def same_extents(ivs, extents) -> bool:
+    """Whether iterators `ivs` span `extents`, axis by axis."""
+    return len(ivs) == len(extents) and all(tvm.sym.Analyzer().can_prove_equal(iv.dom.extent, e)
+                                            for iv, e in zip(ivs, extents))
 
 
 def _batch_axes(block) -> list:

@@ -41,7 +41,9 @@ leaves the last one half empty (512 x 22016 x 4096: 396 blocks, three waves of 1
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
@@ -83,7 +85,7 @@ def accumulator_position(tx, r):
 def _fit(func: tirx.PrimFunc):
     """(matmul block, its epilogue folded as `_epilogue` gives it) of a matmul this template
     takes, else None."""
-    found = matmul.contraction(func)
+    found = matmul.contraction(func, over_c=False)
     if found is None:
         return None
     sch, block_rv, epilogue = found
@@ -96,8 +98,10 @@ def _fit(func: tirx.PrimFunc):
     m, n, k = (int(e) for e in extents[-3:])
     if m % ROWS or n % 64 or k % K_TILE or not matmul.k_is_last(block)[0]:
         return None
-    folded = _epilogue(sch, epilogue, block.writes[0].source)
-    return None if folded is None else (block, folded)
+    folded = _epilogue(sch, epilogue, block.writes[0].source, extents[:-1])
+    if folded is None or folded.gated and str(folded.out.dtype) != "float16":  # gated: staged in shared memory
+        return None
+    return block, folded
 
 
 def knob_space(func: tirx.PrimFunc) -> list[dict]:
@@ -261,31 +265,73 @@ def _tensor_view(load, block, inner, outer):
     return dims, strides, batch_coordinate
 
 
-def _epilogue(sch, epilogue: list, accumulator: tirx.Buffer):
-    """(output buffer, its block's iterators, value, the placeholder Var standing for the
-    accumulator's load in it) of the elementwise blocks after the matmul, folded into one; the
-    accumulator itself when there are none. None when a block reads the accumulator anywhere but at
-    its own position."""
-    placeholder = tirx.Var("acc", "float32")
+GATE_RUN = 8  # columns: a gated product's joint weight alternates runs of this many gate and up rows
+
+
+def gate_column(j, half: int):
+    """C's column holding half `half` (0 the gate, 1 the up projection) of a gated output's column
+    j: the joint weight's rows alternate runs of GATE_RUN of each (tvm_ext/gated_linears.py), so
+    both halves of a column lie in the same thread's accumulators, 4 registers apart."""
+    return j // GATE_RUN * 2 * GATE_RUN + half * GATE_RUN + j % GATE_RUN
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """The elementwise work after the matmul folded into one `value` stored to `out` at its block's
+    iterators `ivs` (None: C itself is the output), with Vars `loads` standing for the
+    accumulator's loads in it: (acc,) for work over C's own positions, (gate, up) for a gated
+    output half C's width, whose column j reads C's columns gate_column(j, 0) and (j, 1)."""
+
+    out: tirx.Buffer
+    ivs: list | None
+    value: tirx.PrimExpr
+    loads: tuple
+
+    @property
+    def gated(self) -> bool:
+        return len(self.loads) == 2
+
+
+def _epilogue(sch, epilogue: list, accumulator: tirx.Buffer, extents: list) -> Epilogue | None:
+    """The elementwise blocks after the matmul (C's `extents`) as one Epilogue; None when the
+    last does not read the accumulator as either kind of Epilogue does, or one before it does not
+    inline into it."""
     if not epilogue:
-        return accumulator, None, placeholder, placeholder
-    for consumer in epilogue[:-1]:
-        sch.compute_inline(consumer)
+        acc = tirx.Var("acc", "float32")
+        return Epilogue(accumulator, None, acc, (acc,))
+    try:
+        for consumer in epilogue[:-1]:
+            sch.compute_inline(consumer)
+    except s_tir.ScheduleError:
+        return None
     block = sch.get(epilogue[-1])
     store, ivs = block.body, [iv.var for iv in block.iter_vars]
-    reads_elsewhere = []
+    if len(store.indices) != len(ivs) or any(not i.same_as(v) for i, v in zip(store.indices, ivs)):
+        return None
+    if matmul.same_extents(block.iter_vars, extents):
+        loads, positions = (tirx.Var("acc", "float32"),), [ivs]
+    elif int(extents[-1]) % (2 * GATE_RUN) == 0 and matmul.same_extents(block.iter_vars, [*extents[:-1], extents[-1] // 2]):
+        loads = (tirx.Var("gate", "float32"), tirx.Var("up", "float32"))
+        positions = [[*ivs[:-1], gate_column(ivs[-1], half)] for half in (0, 1)]
+    else:
+        return None
+    analyzer = tvm.sym.Analyzer()
+    for iv in block.iter_vars:
+        analyzer.bind(iv.var, iv.dom)
+    found, elsewhere = set(), []
 
     def replace(load):
         if not load.source.same_as(accumulator):
             return load
-        if len(load.indices) != len(ivs) or any(not i.same_as(v) for i, v in zip(load.indices, ivs)):
-            reads_elsewhere.append(load)
-        return placeholder
+        for var, position in zip(loads, positions):
+            if len(load.indices) == len(position) and all(analyzer.can_prove_equal(i, p) for i, p in zip(load.indices, position)):
+                found.add(var)
+                return var
+        elsewhere.append(load)
+        return load
 
     value = tvm_ffi.structural_map(store.value, (TensorLoad, replace))
-    if reads_elsewhere or len(store.indices) != len(ivs) or any(not i.same_as(v) for i, v in zip(store.indices, ivs)):
-        return None
-    return store.buffer, ivs, value, placeholder
+    return None if elsewhere or len(found) < len(loads) > 1 else Epilogue(store.buffer, ivs, value, loads)
 
 
 def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
@@ -317,7 +363,7 @@ def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k) -> tirx
     ivs = [iv.var for iv in block.iter_vars]
     *batch_vars, row_var, col_var, k_var = ivs
     b_n_major = not matmul.k_is_last(block)[1]
-    out, out_ivs, value, placeholder = folded
+    ep, out = folded, folded.out
     tma = views is not None
     consumers, threads = block_threads(bm, False), block_threads(bm, tma)
     a_elems, b_elems = bm * K_TILE, bn * K_TILE
@@ -332,9 +378,9 @@ def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k) -> tirx
         """`index`, held at `last` where the last column of tiles passes C's edge."""
         return T.min(index, last) if partial else index
 
-    def inside(column):
-        """Whether C has `column` (always, unless the last column of tiles passes its edge)."""
-        return column < n if partial else T.bool(True)
+    def inside(column, edge):
+        """Whether `column` is before the output's `edge` (always, unless the last column of tiles passes C's edge)."""
+        return column < edge if partial else T.bool(True)
 
     def at(load, bindings):
         """The element of `load`'s buffer at the matmul's iterators bound to `bindings`."""
@@ -366,15 +412,24 @@ def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k) -> tirx
 
     def indices(bz, row, col):
         """The output's indices at the matmul's row and column, and their bindings."""
-        bindings = {var: tirx.Cast(str(var.ty), x) for var, x in zip(out_ivs or ivs[:-1], [*batch_of(bz).values(), row, col])}
+        bindings = {var: tirx.Cast(str(var.ty), x) for var, x in zip(ep.ivs or ivs[:-1], [*batch_of(bz).values(), row, col])}
         return list(bindings.values()), bindings
 
-    def result(bz, row, col, acc_value):
-        """What the output holds at row, col: the epilogue of the accumulator's value."""
-        return acc_value if out_ivs is None else substitute(value, {**indices(bz, row, col)[1], placeholder: acc_value})
+    def result(bz, row, col, values):
+        """What the output holds at row, col: the epilogue of the accumulator values (one per ep.loads)."""
+        return values[0] if ep.ivs is None else substitute(ep.value, {**indices(bz, row, col)[1], **dict(zip(ep.loads, values))})
+
+    def operands(acc, r):
+        """The accumulators of the output's register-layout position r: acc[r]; gated (half as many
+        positions), the gate's register and the up projection's, 4 later (gate_column)."""
+        if not ep.gated:
+            return [acc[r]]
+        gate = r // 4 * 8 + r % 4
+        return [acc[gate], acc[gate + 4]]
 
     staged = str(out.dtype) == "float16"  # through shared memory: 16-byte stores, not 2-byte ones
-    row_stride = bn + OUTPUT_PAD
+    out_bn, out_n = (bn // 2, n // 2) if ep.gated else (bn, n)  # the output tile's and the output's columns
+    row_stride = out_bn + OUTPUT_PAD
     def raster(tile):
         """(column, row) of C's tile for block `tile`: with `group`, consecutive blocks walk down
         `group` rows of tiles before the next column (they share B's columns while in L2)."""
@@ -492,21 +547,21 @@ def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k) -> tirx
         if staged:
             T.tvm_storage_sync("shared")  # every warpgroup's last wgmma has read its operands
             if tx < consumers:
-                for r in T.unroll(regs):
+                for r in T.unroll(regs // len(ep.loads)):
                     row, col = T.meta_var(accumulator_position(tx, r))
-                    smem[row * row_stride + col] = result(bz, by * bm + row, within(bx * bn + col, n - 1), acc[r])
+                    smem[row * row_stride + col] = result(bz, by * bm + row, within(bx * out_bn + col, out_n - 1), operands(acc, r))
             T.tvm_storage_sync("shared")
             if tx < consumers:
-                for i in T.unroll(bm * bn // 8 // consumers):
-                    if inside(bx * bn + (tx + i * consumers) % (bn // 8) * 8):  # 8 columns, all inside C or none
+                for i in T.unroll(bm * out_bn // 8 // consumers):
+                    if inside(bx * out_bn + (tx + i * consumers) % (out_bn // 8) * 8, out_n):  # 8 columns, all inside or none
                         for v in T.vectorized(8):
-                            row, col = T.meta_var(((tx + i * consumers) // (bn // 8), (tx + i * consumers) % (bn // 8) * 8 + v))
-                            T.buffer_store(out, smem[row * row_stride + col], indices(bz, by * bm + row, bx * bn + col)[0])
+                            row, col = T.meta_var(((tx + i * consumers) // (out_bn // 8), (tx + i * consumers) % (out_bn // 8) * 8 + v))
+                            T.buffer_store(out, smem[row * row_stride + col], indices(bz, by * bm + row, bx * out_bn + col)[0])
         elif tx < consumers:
             for r in T.unroll(regs):
                 row, col = T.meta_var(accumulator_position(tx, r))
-                if inside(bx * bn + col):
-                    T.buffer_store(out, result(bz, by * bm + row, bx * bn + col, acc[r]), indices(bz, by * bm + row, bx * bn + col)[0])
+                if inside(bx * bn + col, n):
+                    T.buffer_store(out, result(bz, by * bm + row, bx * bn + col, operands(acc, r)), indices(bz, by * bm + row, bx * bn + col)[0])
 
     return tirx.SeqStmt([*host, kernel.body]) if tma else kernel.body
 

@@ -31,6 +31,7 @@ from tvm.target import Target
 from schedules import wgmma_matmul
 from schedules.device import device_of
 
+from . import gated_linears
 from .bindings import Bindings, op_name
 from .layout_rewrites import shape_of, static_shape
 
@@ -81,31 +82,33 @@ def worth_joining(rows: int, columns: int, sm_count: int) -> bool:
 
 @relax.expr_functor.mutator
 class _Combiner(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, groups: dict):
+    def __init__(self, mod: tvm.IRModule, groups: dict, interleave: bool):
         super().__init__(mod)
         self.first = {group[0][1]: group for group in groups.values()}  # first matmul of a group -> group
-        self.slices = {}  # astype var -> (joint output var, column offset, columns)
+        self.interleave = interleave  # pairs of one width in alternating runs (gated_linears.py)
+        self.views = {}  # astype var -> its layer's columns of the joint output
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         group = self.first.get(binding.var)
         if group is not None:  # the joint matmul stands where the group's first one stood
-            weight = np.concatenate([w for *_, w in group])
+            weights = [w for *_, w in group]
+            paired = self.interleave and gated_linears.interleavable(weights)
             lhs = self.visit_expr(binding.value.args[0])
+            weight = gated_linears.interleaved(weights) if paired else np.concatenate(weights)
             joint = self.builder_.emit(relax.op.astype(self.builder_.emit(relax.op.matmul(
                 lhs, self.builder_.emit(relax.op.permute_dims(relax.const(weight), [1, 0])), out_dtype="float32")),
                 "float16"))
-            offset = 0
-            for cast_var, _, w in group:
-                self.slices[cast_var] = (joint, offset, w.shape[0])
+            rows, offset = shape_of(joint)[0], 0
+            for half, (cast_var, _, w) in enumerate(group):
+                self.views[cast_var] = gated_linears.half_view(joint, half, rows, w.shape[0]) if paired else \
+                    relax.op.strided_slice(joint, axes=[1], begin=[offset], end=[offset + w.shape[0]], assume_inbound=True)
                 offset += w.shape[0]
             return
-        found = self.slices.get(binding.var)
-        if found is None:
+        view = self.views.get(binding.var)
+        if view is None:
             super().visit_var_binding_(binding)
             return
-        joint, offset, columns = found
-        sliced = relax.op.strided_slice(joint, axes=[1], begin=[offset], end=[offset + columns], assume_inbound=True)
-        self.set_var_remap(binding.var, self.builder_.emit(sliced, binding.var.name))
+        self.set_var_remap(binding.var, self.builder_.emit(view, binding.var.name))
 
 
 @tvm.transform.module_pass(opt_level=0, name="TVMExtCombineParallelLinears")
@@ -122,7 +125,7 @@ def combine_parallel_linears(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
                   if worth_joining(shape_of(group[0][1])[0], sum(w.shape[0] for *_, w in group), device.sm_count)}
         if not groups:
             continue
-        combiner = _Combiner(mod, groups)
+        combiner = _Combiner(mod, groups, device.wgmma)
         combiner.builder_.update_func(gv, relax.analysis.remove_all_unused(combiner.visit_expr(func)))
         mod = combiner.builder_.get()  # a new module: the caller's is left as it was
         LOG.debug("%s: %s Linear layers joined", gv.name_hint, " + ".join(str(len(g)) for g in groups.values()))

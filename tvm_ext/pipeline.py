@@ -4,7 +4,8 @@ Order: Linear layers sharing an input joined into one matmul (parallel_matmuls.p
 mean/variance pairing (Welford) -> activations and residual adds before reshapes -> matmuls by a
 transposed key (on sm_90a also linears by their weight) read it untransposed -> LegalizeOps (with our legalizations; on GPUs, split-K for matmuls with few
 rows) -> AnnotateTIROpPattern ->
-FoldConstant -> FuseOps -> ours (reduce_fusion.py) -> FuseTIR -> leave dataflow form -> our
+FoldConstant -> FuseOps -> ours (reduce_fusion.py; on sm_90a a gated MLP's activation into its joined
+matmul, gated_linears.py) -> FuseTIR -> leave dataflow form -> our
 schedules for every fused PrimFunc with a reduction (several kernels and a run-time `if` where dims
 are symbolic; zero-filled state inputs for grid reductions) -> the matmul template for fp16/int8
 matmuls and the conv2d template for convolutions, with their epilogues (GPU; tensor cores come from
@@ -35,6 +36,7 @@ from schedules.grid_reduce import ZEROED_INPUTS
 
 from . import welford
 from .attention import fuse_attention
+from .gated_linears import fuse_gated_epilogues
 from .half_math import half_math_in_float
 from .legalize import legalizations
 from .narrowing import OURS, narrow_indices
@@ -113,7 +115,7 @@ class ScheduleContractions:
         target = Target.current()
         for gv, func in list(mod.functions_items()):
             if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False) \
-                    or schedules.contraction_template(func) is None:
+                    or schedules.contraction_template(func, target) is None:
                 continue
             sch = schedules.schedule(func, target, self.database.lookup(func, target) if self.database else None)
             if sch is not None:
@@ -133,13 +135,15 @@ def _check_lowers(func: tirx.PrimFunc, name: str, target: Target) -> None:
 
 def fused_passes(target, **options) -> list:
     """Everything up to the fused PrimFuncs the schedules see: Linear layers that share an input
-    joined into one matmul (parallel_matmuls.py), spelled-out attention replaced by the
+    joined into one matmul (parallel_matmuls.py; on sm_90a a pair of one width interleaved in runs of
+    rows, gated_linears.py), spelled-out attention replaced by the
     fused kernel (sm_90a), top-1 sorts that are maxima made
     maxima (before the library dispatch turns them into sort kernels), half arithmetic around
     reductions done in float32 with PyTorch's rounding points (half_math.py), library dispatch, the
     pairing of mean with variance (Welford), activations and residual adds moved before reshapes and
     matmuls by a transposed operand reading it untransposed (layout_rewrites.py), legalization (split-K for few-row
-    matmuls on GPUs, split_k.py), and fusion (FuseOps, then ours)."""
+    matmuls on GPUs, split_k.py), and fusion (FuseOps, then ours: around reductions, and a gated
+    activation into its matmul)."""
     variance = options.get("variance", "welford")
     statistics = [welford.pair_mean_with_variance] if variance == "welford" else []
     device = device_of(target)
@@ -152,6 +156,7 @@ def fused_passes(target, **options) -> list:
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         FuseReduceGroups(),
+        fuse_gated_epilogues,
         relax.transform.FuseTIR(),
     ]
 

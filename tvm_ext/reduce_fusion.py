@@ -69,7 +69,7 @@ def _same_signature(a, b) -> bool:
     return _same(a[0], b[0]) and _same(a[1], b[1])
 
 
-def _kernel_calls(mod: tvm.IRModule, call: relax.Call) -> tuple[list, dict] | None:
+def kernel_calls(mod: tvm.IRModule, call: relax.Call) -> tuple[list, dict] | None:
     """(the call_tir calls a node stands for: itself, or a FuseOps group's body; the group's
     symbolic dims -> the caller's), or None if the node is not kernels."""
     if call.op.same_as(CALL_TIR):
@@ -91,7 +91,7 @@ def _kernel_calls(mod: tvm.IRModule, call: relax.Call) -> tuple[list, dict] | No
 def _classify(mod: tvm.IRModule, node: _Node) -> None:
     """Set what a node can merge as: reductions of one signature and elementwise work, or nothing."""
     value = node.binding.value
-    found = _kernel_calls(mod, value) if isinstance(value, relax.Call) else None
+    found = kernel_calls(mod, value) if isinstance(value, relax.Call) else None
     if not found:
         return
     calls, dims = found
@@ -203,7 +203,7 @@ def _groups(mod: tvm.IRModule, block: relax.DataflowBlock) -> tuple[list, _Group
 def _inline(mod, member: _Node, subst: dict, bindings: list) -> None:
     """Append `member`'s kernel calls to `bindings`, its inputs replaced through `subst`."""
     value = member.binding.value
-    _, dims = _kernel_calls(mod, value)
+    _, dims = kernel_calls(mod, value)
     if value.op.same_as(CALL_TIR):
         steps, result = [(member.binding.var, value)], member.binding.var
     else:  # a FuseOps group: its body, its parameters and symbolic dims replaced by the caller's
@@ -267,6 +267,13 @@ def _group_function(mod, members: list, outputs: list) -> tuple[relax.Function, 
     body = relax.SeqExpr([relax.DataflowBlock(bindings)], out)
     func = relax.Function(params, body, out.ty, is_pure=True).with_attr("Primitive", True)
     return func, external
+
+
+def merged_call(builder: relax.BlockBuilder, mod, bindings: list, name: str) -> relax.Call:
+    """A call of a new Primitive function computing `bindings` (kernel calls or FuseOps groups, in
+    order) and returning the last one's value."""
+    func, external = _group_function(mod, [_Node(i, b) for i, b in enumerate(bindings)], [bindings[-1].var])
+    return relax.Call(builder.add_func(func, ("fused_" + name)[:80]), external)
 
 
 def _rewrite_block(builder: relax.BlockBuilder, mod, block, used_after: set):

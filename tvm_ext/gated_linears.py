@@ -1,0 +1,125 @@
+"""A gated MLP's activation in its joined matmul's epilogue (sm_90a): LLaMA's silu(x @ Wg.T) *
+(x @ Wu.T) as one kernel.
+
+Why: parallel_matmuls.py joins the gate and up projections into one matmul; a second kernel then
+read both halves of its [M, 2n] fp16 output to write silu(gate) * up (H200: 8.0 us of LLaMA-512's
+layer, 33.4 us at seq 2048, bench/results/h200-2026-11-24-e2e-s16-final.md), after the matmul
+had written twice the bytes the MLP goes on with. Two steps put that work in the matmul's epilogue:
+
+* the joint weight's rows alternate runs of GATE_RUN rows of each layer (`interleaved`), and each
+  layer's result is a view of the joint output reading every other run (`half_view`). A tile of C
+  then holds both halves of the same output columns, in the same thread's accumulators
+  (schedules/wgmma_matmul.gate_column);
+* after FuseOps, the matmul's group and the one group reading its output through those views
+  become one function (`fuse_gated_epilogues`). The wgmma template writes it as a matmul whose
+  epilogue reads two accumulators per output element and stores half of C's columns.
+
+H200, one process, interleaved rounds, medians (bench/gated_ab.py, bench/results/h200-2026-11-24-
+s17-gated-ab-seq*.json): LLaMA-512's layer 386.7 us against 389.8 with the halves apart (one
+call's kernels: 130.2 us for the gated matmul against 129.0 + 8.0), seq 2048 1505.1 against 1531.2.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from schedules.wgmma_matmul import GATE_RUN, gate_column
+
+from .bindings import Bindings
+from .reduce_fusion import kernel_calls, merged_call
+
+OUT_ELEMWISE_FUSABLE = 4  # op_pattern of a matmul's PrimFunc
+INJECTIVE = 2
+
+
+def interleavable(weights: list[np.ndarray]) -> bool:
+    """Whether joined layers can share their tiles: two of one width, a whole number of runs."""
+    return len(weights) == 2 and weights[0].shape == weights[1].shape and weights[0].shape[0] % GATE_RUN == 0
+
+
+def interleaved(weights: list[np.ndarray]) -> np.ndarray:
+    """The joint [2n, k] weight whose row gate_column(j, half) is row j of layer `half`'s."""
+    n = weights[0].shape[0]
+    joint = np.empty((2 * n, *weights[0].shape[1:]), weights[0].dtype)
+    for half, weight in enumerate(weights):
+        joint[gate_column(np.arange(n), half)] = weight
+    return joint
+
+
+def half_view(joint: relax.Expr, half: int, rows: int, n: int) -> relax.Expr:
+    """Layer `half`'s [rows, n] result, read out of the interleaved joint output."""
+    runs = relax.op.reshape(joint, [rows, n // GATE_RUN, 2, GATE_RUN])
+    return relax.op.reshape(relax.op.strided_slice(runs, axes=[2], begin=[half], end=[half + 1], assume_inbound=True),
+                            [rows, n])
+
+
+@tvm.transform.module_pass(opt_level=0, name="TVMExtFuseGatedEpilogues")
+def fuse_gated_epilogues(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Merge each matmul group whose only reader is one elementwise group reading it through
+    `half_view` into one Primitive function (between FuseOps and FuseTIR)."""
+    builder = relax.BlockBuilder(mod)
+    for gv, func in list(mod.functions_items()):
+        if not isinstance(func, relax.Function) or (func.attrs and func.attrs.get("Primitive", False)) \
+                or not isinstance(func.body, relax.SeqExpr):
+            continue
+        chain, blocks = Bindings(func), []
+        for block in func.body.blocks:
+            merged = {}  # epilogue's var -> (matmul binding, epilogue binding)
+            for binding in block.bindings:
+                producer = _gated_producer(mod, chain, binding, block)
+                if producer is not None:
+                    merged[binding.var] = (producer, binding)
+            absorbed = {producer.var for producer, _ in merged.values()}
+            bindings = []
+            for binding in block.bindings:
+                if binding.var in absorbed:
+                    continue
+                if binding.var in merged:
+                    producer = merged[binding.var][0]
+                    name = producer.value.op.name_hint.removeprefix("fused_") + "_gated"
+                    binding = relax.VarBinding(binding.var, merged_call(builder, mod, list(merged[binding.var]), name))
+                bindings.append(binding)
+            blocks.append(type(block)(bindings) if merged else block)
+        if any(a is not b for a, b in zip(blocks, func.body.blocks)):
+            builder.update_func(gv, relax.Function(func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty,
+                                                   func.is_pure, func.attrs, func.span))
+    return relax.transform.DeadCodeElimination()(builder.get())
+
+
+def _gated_producer(mod, chain: Bindings, binding, block):
+    """The binding of the matmul group `binding` (an elementwise group) reads through half_view,
+    when that is its only reader and both are in `block`; else None."""
+    group = _group(mod, binding.value)
+    if group is None or any(_pattern(mod, c) > INJECTIVE for c in kernel_calls(mod, binding.value)[0]):
+        return None
+    defined = {b.var: b for b in block.bindings}
+    for arg, param in zip(binding.value.args, group.params):
+        producer = defined.get(arg)
+        if producer is None or not chain.only_use(arg) or _group(mod, producer.value) is None \
+                or not any(_pattern(mod, c) == OUT_ELEMWISE_FUSABLE for c in kernel_calls(mod, producer.value)[0]):
+            continue
+        if any(_is_run_view(call, param) for call in kernel_calls(mod, binding.value)[0]):
+            return producer
+    return None
+
+
+def _group(mod, value) -> relax.Function | None:
+    """The FuseOps group (a Primitive function of kernel calls) `value` calls, else None."""
+    if not isinstance(value, relax.Call) or not isinstance(value.op, relax.GlobalVar):
+        return None
+    func = mod[value.op]
+    return func if func.attrs and func.attrs.get("Primitive", False) and kernel_calls(mod, value) else None
+
+
+def _pattern(mod, call) -> int:
+    attrs = mod[call.args[0]].attrs
+    return int(attrs["op_pattern"]) if attrs and "op_pattern" in attrs else 1 << 30
+
+
+def _is_run_view(call, param) -> bool:
+    """Whether `call` is half_view's first reshape (into runs of GATE_RUN, two per column group) of `param`."""
+    shape = call.ty_args[0].shape
+    return any(a.same_as(param) for a in call.args[1].fields) and shape is not None and \
+        [int(d) for d in shape.values[-2:]] == [2, GATE_RUN]
