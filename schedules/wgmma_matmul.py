@@ -26,7 +26,9 @@ template writes the kernel itself:
   [n, k] weight) as rows of 64 k; an n-major B ([k, n]) in atoms of 64 columns;
 - the elementwise work FuseOps put after the matmul (the cast back to fp16, a bias, a residual, an
   activation) is computed on the accumulators as they are staged in shared memory, from where C
-  is written in 16-byte stores (2-byte stores straight from the registers made BERT slower);
+  is written in 16-byte stores (2-byte stores straight from the registers made BERT slower); a
+  gated epilogue (tvm_ext/gated_linears.py: SwiGLU over an interleaved gate and up) reads two
+  accumulators of one thread per output element and stages half of C's columns;
 - consecutive blocks walk down `group` rows of tiles before the next column (B's columns stay in L2).
 
 Shapes: fp16 operands, f32 accumulation, static sizes, M a multiple of 64, N and K of 64, A read
