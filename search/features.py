@@ -142,7 +142,7 @@ def candidate_features(func: tirx.PrimFunc, points: list[dict], target: Target) 
         return np.zeros((0, len(NAMES)))
     device = device_of(target)
     if points[0]["strategy"] in (matmul.NAME, wgmma_matmul.NAME):
-        sch, block, epilogue = matmul.contraction(func)
+        sch, block, epilogue = matmul.contraction(func, over_c=False)  # a gated epilogue too
         featurize = wgmma_features if points[0]["strategy"] == wgmma_matmul.NAME else matmul_features
         return np.stack([featurize(sch.get(block), knobs, bool(epilogue), device) for knobs in points])
     if points[0]["strategy"] == conv2d.NAME:

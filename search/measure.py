@@ -151,7 +151,7 @@ def _reference(func) -> tirx.PrimFunc:
     convolution = conv2d.convolution(func)
     if convolution is not None:
         return _conv2d_reference(convolution)
-    found = matmul.contraction(func)
+    found = matmul.contraction(func, over_c=False)  # the epilogue blocks stay plain loops
     operands = [x.source for x in matmul.multiply_accumulate(found[0].get(found[1]).body)] if found else []
     if not operands or "float" not in str(operands[0].dtype):
         return _float32_inputs(func)

@@ -58,7 +58,7 @@ def extract_tasks(mods, target, **options) -> list[Task]:
         for gv, func in sorted(fused.functions_items(), key=lambda item: item[0].name_hint):
             if not isinstance(func, tirx.PrimFunc):
                 continue
-            if not (is_reduce_subgraph(func) or gpu and contraction_template(func) is not None):
+            if not (is_reduce_subgraph(func) or gpu and contraction_template(func, target) is not None):
                 continue
             key = task_key(func, target)
             first = tasks.get(key)

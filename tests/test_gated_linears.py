@@ -155,3 +155,33 @@ def test_the_gated_mlp_through_the_pipeline_on_gpu(rng):
     x = rng.standard_normal((1, 512, 256)).astype("float16")
     got = VirtualMachine(executable, tvm.cuda())["main"](tvm.runtime.tensor(x, tvm.cuda())).numpy()
     np.testing.assert_allclose(got.astype("float32"), reference(x, weights).astype("float32"), rtol=2e-2, atol=2e-2)
+
+
+def test_the_tuner_takes_the_gated_matmul_as_a_wgmma_task():
+    from search.features import NAMES, candidate_features  # noqa: PLC0415
+    from search.space import knob_space  # noqa: PLC0415
+    from search.tasks import extract_tasks  # noqa: PLC0415
+
+    mod, _ = mlp(512, 128, 8192)
+    task = next(t for t in extract_tasks(mod, SM_90A) if "gated" in t.name)
+    points = knob_space(task.func, SM_90A)
+    assert {p["strategy"] for p in points} == {"wgmma_matmul"} and points[0] == dispatch.heuristic_knobs(task.func, SM_90A)
+    column = dict(zip(NAMES, candidate_features(task.func, points, SM_90A).T))
+    assert (column["is_matmul"] == 1).all() and (column["elementwise_epilogue"] == 1).all()
+
+
+def test_the_tuners_cpu_reference_of_the_gated_matmul_is_the_activation(always_joined, rng):
+    from search.measure import _reference  # noqa: PLC0415
+
+    mod, weights = mlp(128, 64, 64)
+    func = next(f for name, f in prim_funcs(fused_module(mod, SM_90A)).items() if "gated" in name)
+    cpu_func = _reference(func)
+    lib = tvm.compile(tvm.IRModule({"main": cpu_func.with_attr("global_symbol", "main")}), target="llvm")
+    x = rng.standard_normal((128, 64)).astype("float16")
+    args = [tvm.runtime.tensor(a.astype(str(p.ty.dtype))) for a, p in
+            zip((x, interleaved(weights[:2]), np.zeros((128, 64), "float16")), cpu_func.params)]
+    lib["main"](*args)
+    gate, up = reference(x[None], weights, gated=False)
+    g = gate[0].astype("float32")
+    want = ((g / (1 + np.exp(-g))).astype("float16") * up[0]).astype("float32")
+    np.testing.assert_allclose(args[-1].numpy().astype("float32"), want, rtol=1e-2, atol=1e-2)
