@@ -185,3 +185,14 @@ def test_the_tuners_cpu_reference_of_the_gated_matmul_is_the_activation(always_j
     g = gate[0].astype("float32")
     want = ((g / (1 + np.exp(-g))).astype("float16") * up[0]).astype("float32")
     np.testing.assert_allclose(args[-1].numpy().astype("float32"), want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_the_tuner_measures_gated_candidates_against_the_reference_on_gpu():
+    from search.measure import measure  # noqa: PLC0415
+    from search.space import knob_space  # noqa: PLC0415
+
+    mod, _ = mlp(512, 128, 8192)
+    func = next(f for name, f in prim_funcs(fused_module(mod, SM_90A)).items() if "gated" in name)
+    results = measure(func, SM_90A, knob_space(func, SM_90A)[:3])
+    assert all(r.error is None and 0 < r.best_us < 1e4 for r in results), [(r.knobs, r.error) for r in results]
