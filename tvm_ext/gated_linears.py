@@ -66,9 +66,9 @@ def fuse_gated_epilogues(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
             continue
         chain, blocks = Bindings(func), []
         for block in func.body.blocks:
-            merged = {}  # epilogue's var -> (matmul binding, epilogue binding)
+            merged, defined = {}, {b.var: b for b in block.bindings}  # merged: epilogue's var -> (matmul, epilogue)
             for binding in block.bindings:
-                producer = _gated_producer(mod, chain, binding, block)
+                producer = _gated_producer(mod, chain, binding, defined)
                 if producer is not None:
                     merged[binding.var] = (producer, binding)
             absorbed = {producer.var for producer, _ in merged.values()}
@@ -88,13 +88,13 @@ def fuse_gated_epilogues(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     return relax.transform.DeadCodeElimination()(builder.get())
 
 
-def _gated_producer(mod, chain: Bindings, binding, block):
+def _gated_producer(mod, chain: Bindings, binding, defined: dict):
     """The binding of the matmul group `binding` (an elementwise group) reads through half_view,
-    when that is its only reader and both are in `block`; else None."""
+    when that is its only reader and both are in one block (whose bindings `defined` holds by
+    variable); else None."""
     group = _group(mod, binding.value)
     if group is None or any(_pattern(mod, c) > INJECTIVE for c in kernel_calls(mod, binding.value)[0]):
         return None
-    defined = {b.var: b for b in block.bindings}
     for arg, param in zip(binding.value.args, group.params):
         producer = defined.get(arg)
         if producer is None or not chain.only_use(arg) or _group(mod, producer.value) is None \
@@ -114,6 +114,7 @@ def _group(mod, value) -> relax.Function | None:
 
 
 def _pattern(mod, call) -> int:
+    """The op_pattern of a kernel call's PrimFunc (none known: above every pattern, like opaque)."""
     attrs = mod[call.args[0]].attrs
     return int(attrs["op_pattern"]) if attrs and "op_pattern" in attrs else 1 << 30
 
