@@ -83,11 +83,10 @@ def contraction_template(func: tirx.PrimFunc, target: Target | None = None):
     the wgmma template where `target` has wgmma (sm_90a) and it fits, else the thread-level matmul
     template; the conv2d template for a direct convolution (with the elementwise work after
     either); None for anything else. The one place that tells them apart."""
-    wgmma = target is not None and device_of(target).wgmma and wgmma_matmul.knob_space(func)
+    if target is not None and device_of(target).wgmma and wgmma_matmul.knob_space(func):
+        return wgmma_matmul  # also a gated epilogue (half of C's columns), which only this template writes
     if matmul.tensor_core_matmul(func) is not None:
-        return wgmma_matmul if wgmma else matmul
-    if wgmma:  # a gated epilogue (half of C's columns), which only the wgmma template writes
-        return wgmma_matmul
+        return matmul
     return conv2d if conv2d.convolution(func) is not None else None
 
 

@@ -333,7 +333,8 @@ def _epilogue(sch, epilogue: list, accumulator: tirx.Buffer, extents: list) -> E
         return load
 
     value = tvm_ffi.structural_map(store.value, (TensorLoad, replace))
-    return None if elsewhere or len(found) < len(loads) > 1 else Epilogue(store.buffer, ivs, value, loads)
+    gated_half_unread = len(loads) == 2 and len(found) < 2
+    return None if elsewhere or gated_half_unread else Epilogue(store.buffer, ivs, value, loads)
 
 
 def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:

@@ -28,10 +28,9 @@ from tvm import relax
 from schedules.wgmma_matmul import GATE_RUN, gate_column
 
 from .bindings import Bindings
-from .reduce_fusion import kernel_calls, merged_call
+from .reduce_fusion import INJECTIVE, kernel_calls, merged_call, op_pattern, with_blocks
 
 OUT_ELEMWISE_FUSABLE = 4  # op_pattern of a matmul's PrimFunc
-INJECTIVE = 2
 
 
 def interleavable(weights: list[np.ndarray]) -> bool:
@@ -83,8 +82,7 @@ def fuse_gated_epilogues(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
                 bindings.append(binding)
             blocks.append(type(block)(bindings) if merged else block)
         if any(a is not b for a, b in zip(blocks, func.body.blocks)):
-            builder.update_func(gv, relax.Function(func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty,
-                                                   func.is_pure, func.attrs, func.span))
+            builder.update_func(gv, with_blocks(func, blocks))
     return relax.transform.DeadCodeElimination()(builder.get())
 
 
@@ -92,35 +90,38 @@ def _gated_producer(mod, chain: Bindings, binding, defined: dict):
     """The binding of the matmul group `binding` (an elementwise group) reads through half_view,
     when that is its only reader and both are in one block (whose bindings `defined` holds by
     variable); else None."""
-    group = _group(mod, binding.value)
-    if group is None or any(_pattern(mod, c) > INJECTIVE for c in kernel_calls(mod, binding.value)[0]):
+    group, calls = _group(mod, binding.value)
+    if group is None or any(_pattern(mod, c) > INJECTIVE for c in calls):
         return None
     for arg, param in zip(binding.value.args, group.params):
         producer = defined.get(arg)
-        if producer is None or not chain.only_use(arg) or _group(mod, producer.value) is None \
-                or not any(_pattern(mod, c) == OUT_ELEMWISE_FUSABLE for c in kernel_calls(mod, producer.value)[0]):
+        if producer is None or not chain.only_use(arg):
             continue
-        if any(_is_run_view(call, param) for call in kernel_calls(mod, binding.value)[0]):
+        _, producer_calls = _group(mod, producer.value)
+        if any(_pattern(mod, c) == OUT_ELEMWISE_FUSABLE for c in producer_calls) \
+                and any(_is_run_view(call, param) for call in calls):
             return producer
     return None
 
 
-def _group(mod, value) -> relax.Function | None:
-    """The FuseOps group (a Primitive function of kernel calls) `value` calls, else None."""
+def _group(mod, value) -> tuple[relax.Function | None, list]:
+    """(the FuseOps group, a Primitive function of kernel calls, that `value` calls, its kernel
+    calls), or (None, []) for any other value."""
     if not isinstance(value, relax.Call) or not isinstance(value.op, relax.GlobalVar):
-        return None
-    func = mod[value.op]
-    return func if func.attrs and func.attrs.get("Primitive", False) and kernel_calls(mod, value) else None
+        return None, []
+    func, found = mod[value.op], kernel_calls(mod, value)
+    return (func, found[0]) if func.attrs and func.attrs.get("Primitive", False) and found else (None, [])
 
 
 def _pattern(mod, call) -> int:
     """The op_pattern of a kernel call's PrimFunc (none known: above every pattern, like opaque)."""
-    attrs = mod[call.args[0]].attrs
-    return int(attrs["op_pattern"]) if attrs and "op_pattern" in attrs else 1 << 30
+    pattern = op_pattern(mod[call.args[0]])
+    return 1 << 30 if pattern is None else pattern
 
 
 def _is_run_view(call, param) -> bool:
     """Whether `call` is half_view's first reshape (into runs of GATE_RUN, two per column group) of `param`."""
-    shape = call.ty_args[0].shape
+    out = call.ty_args[0]  # a tuple for a kernel with several outputs
+    shape = out.shape if isinstance(out, relax.TensorType) else None
     return any(a.same_as(param) for a in call.args[1].fields) and shape is not None and \
         [int(d) for d in shape.values[-2:]] == [2, GATE_RUN]

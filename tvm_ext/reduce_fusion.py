@@ -88,6 +88,11 @@ def kernel_calls(mod: tvm.IRModule, call: relax.Call) -> tuple[list, dict] | Non
     return None
 
 
+def op_pattern(func: tirx.PrimFunc) -> int | None:
+    """The op_pattern AnnotateTIROpPattern gave a PrimFunc, None where it has none."""
+    return int(func.attrs["op_pattern"]) if func.attrs and "op_pattern" in func.attrs else None
+
+
 def _classify(mod: tvm.IRModule, node: _Node) -> None:
     """Set what a node can merge as: reductions of one signature and elementwise work, or nothing."""
     value = node.binding.value
@@ -98,7 +103,7 @@ def _classify(mod: tvm.IRModule, node: _Node) -> None:
     signatures, injective = [], False
     for call in calls:
         func = mod[call.args[0]]
-        pattern = int(func.attrs["op_pattern"]) if func.attrs and "op_pattern" in func.attrs else None
+        pattern = op_pattern(func)
         if is_reduce_subgraph(func):
             rows = max((_shape(a) for a in call.args[1].fields if _shape(a) is not None), key=len, default=None)
             signatures.append(tuple(tuple(substitute(d, dims) for d in shape) if shape else shape
@@ -322,7 +327,7 @@ def _topological(nodes, groups, fused, emitted) -> list:
     return order
 
 
-def _with_blocks(func: relax.Function, blocks: list) -> relax.Function:
+def with_blocks(func: relax.Function, blocks: list) -> relax.Function:
     """`func` with its body's binding blocks replaced."""
     return relax.Function(func.params, relax.SeqExpr(blocks, func.body.body), func.ret_ty, func.is_pure,
                           func.attrs, func.span)
@@ -358,7 +363,7 @@ class FuseReduceGroups:
                 used_after = set(after) | {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
                 new_blocks.append(_rewrite_block(builder, mod, block, used_after))
             if any(a is not b for a, b in zip(new_blocks, blocks)):
-                builder.update_func(gv, _with_blocks(func, new_blocks))
+                builder.update_func(gv, with_blocks(func, new_blocks))
         return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(builder.get()))
 
 
@@ -372,7 +377,7 @@ def rewrite_bindings(mod: tvm.IRModule, rewriter) -> tvm.IRModule:
         rewrite = rewriter(func)
         if rewrite is not None:
             blocks = [type(block)([rewrite(b) for b in block.bindings]) for block in func.body.blocks]
-            builder.update_func(gv, _with_blocks(func, blocks))
+            builder.update_func(gv, with_blocks(func, blocks))
     return builder.get()
 
 
