@@ -90,6 +90,8 @@ def _access(block) -> str | None:
     tvm_ffi.structural_walk(block.body, (Call, lambda x: x.op.same_as(IF_THEN_ELSE) and conditions.append(x.args[0])),
                             order="pre")
     for load in loads:
+        if not load.indices:  # a 0-d operand (a scalar): one element for every lane
+            continue
         *outer, last = (per_lane(index) for index in load.indices)
         if any(_uses(index, lane) for index in outer) or _uses(last, lane) and _uses(analyzer.simplify(last - lane), lane):
             return None

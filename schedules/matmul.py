@@ -255,7 +255,9 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
         if itemsize == 1 or strides:  # TVM 0.27 prints an int8x8 zero fill as make_int2 of 8 chars (nvcc
             return None  # rejects it); pad_einsum takes no split K's index
         sch.pad_einsum(block, [1] * (len(extents) - 3) + [bm, bn, bk])
-        pads, (copy_out,) = sch.get_producers(block), sch.get_consumers(block)
+        pads = sch.get_producers(block)
+        if [m, n] != [int(e) for e in extents[-3:-1]]:  # C padded too: pad_einsum copies its rows and columns out
+            (copy_out,) = sch.get_consumers(block)  # (a K padded alone leaves C, and its epilogue, as they were)
     staged = None
     if epilogue or copy_out:  # C -> shared staging -> the epilogue, computed as it is written out
         stage = bm * bn * tvm.DataType(str(sch.get(block).writes[0].source.dtype)).bits // 8

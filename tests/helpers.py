@@ -72,7 +72,8 @@ __all__ = ["CASES", "assert_close", "concrete_shape", "instantiate", "run_case",
 
 def build_recording_launch(mod, target, **options):
     """(executable, CUDA source, {kernel: launch tags}) of one build: the tags as the late passes
-    leave them (a recording pass registered after the built-in ones)."""
+    leave them (a recording pass registered after the built-in ones; kernels the pipeline only
+    checked, under names the build does not keep, are left out)."""
     launch = {}
 
     @tirx.transform.prim_func_pass(opt_level=0, name="RecordLaunchParams")
@@ -85,4 +86,5 @@ def build_recording_launch(mod, target, **options):
         ex = tvm_ext.build(mod, target, **options)
     finally:
         tvm_ext.unregister_tir_pass(record)
-    return ex, tvm_ext.cuda_source(ex), launch
+    kernels = tvm_ext.cuda_kernels(ex)
+    return ex, tvm_ext.cuda_source(ex), {name: tags for name, tags in launch.items() if name in kernels}

@@ -113,8 +113,9 @@ def test_tir_pass_hook_sees_scheduled_functions_and_device_kernels():
     finally:
         for p in passes:
             tvm_ext.unregister_tir_pass(p)
-    assert seen["early"] == [("softmax", True)]
-    assert [name for name, _ in seen["late"]] == tvm_ext.cuda_kernels(ex) == ["softmax_kernel"]
+    # the pipeline first runs the schedule through the passes to check it builds (not yet marked scheduled)
+    assert seen["early"] == [("softmax", False), ("softmax", True)]
+    assert [name for name, _ in seen["late"]] == 2 * tvm_ext.cuda_kernels(ex) == 2 * ["softmax_kernel"]
     with pytest.raises(ValueError, match="unknown TIR pass phase 'middle'"):
         tvm_ext.register_tir_pass(recorder("early"), phase="middle")
 
@@ -174,7 +175,7 @@ def test_schedule_that_fails_in_lowering_falls_back(monkeypatch):
     import schedules  # noqa: PLC0415
 
     monkeypatch.setattr(schedules, "scheduled", lambda func, target: [(None, {}, s_tir.Schedule(_unlowerable))])
-    with pytest.warns(UserWarning, match=r"tvm_ext: softmax: InternalError: .*falling back to TVM's default schedule"):
+    with pytest.warns(UserWarning, match=r"tvm_ext: softmax: tvm_ext reduction templates failed \(InternalError: .*\); falling back to TVM.s default"):
         ex = tvm_ext.build(relax_module("softmax", [8, 300], "float32"), CUDA_TARGET)
     assert tvm_ext.cuda_kernels(ex) == ["softmax_kernel"]  # TVM's rules built the original function
 

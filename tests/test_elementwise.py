@@ -117,3 +117,27 @@ def test_rotate_half_is_right_on_the_gpu(rng):
     dev = tvm.cuda()
     out = VirtualMachine(tvm_ext.build(rotate_half(), "cuda"), dev)["main"](tvm.runtime.tensor(x, dev)).numpy()
     np.testing.assert_array_equal(out, np.concatenate([-x[:, 64:], x[:, :64]], axis=1))
+
+
+def add_scalar(shape=(32, 64), dtype="float16"):
+    """x + s with s a 0-d tensor (GPT-2's attention scale, transformers' mask fill values)."""
+    x, s = relax.Var("x", relax.TensorType(list(shape), dtype)), relax.Var("s", relax.TensorType([], dtype))
+    return main_module(lambda bb, x, s: op.add(x, s), [x, s])
+
+
+def test_a_0d_operand_is_read_once_per_vector():
+    sch = elementwise.apply(_only_func(add_scalar()))
+    assert sch is not None  # it raised "not enough values to unpack" on the 0-d load
+    source = cuda_source(tvm_ext.build(add_scalar(), CUDA_TARGET))
+    assert "*(half4*)" in source
+
+
+@pytest.mark.gpu
+def test_a_0d_operand_is_right_on_the_gpu(rng):
+    from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
+
+    x, s = rng.standard_normal((32, 64)).astype("float16"), np.array(0.75, "float16")
+    dev = tvm.cuda()
+    out = VirtualMachine(tvm_ext.build(add_scalar(), "cuda"), dev)["main"](tvm.runtime.tensor(x, dev),
+                                                                           tvm.runtime.tensor(s, dev)).numpy()
+    np.testing.assert_array_equal(out, x + s)

@@ -10,7 +10,7 @@ from bench.suite import relax_module
 from conftest import CUDA_TARGET
 from search.space import knob_space
 from search.tasks import extract_tasks
-from tvm_ext.pipeline import _check_lowers
+from tvm_ext.passes import check_builds
 
 CASES = [("layer_norm", [8192, 4096], "float16"), ("softmax", [4096, 1000], "float16"),
          ("row_sum", [64, 131072], "float32"), ("col_sum", [4096, 1024], "float32"),
@@ -30,7 +30,7 @@ def test_heuristic_choice_is_a_point_and_sampled_points_schedule_and_lower(op, s
             sch = schedules.schedule(task.func, target, knobs)
             assert sch is not None, knobs
             if target.kind.name == "cuda":
-                _check_lowers(sch.mod["main"], task.name, target)
+                check_builds(sch.mod["main"], task.name, target)
 
 
 def test_space_is_large_enough_to_search_and_has_no_duplicates():

@@ -2,6 +2,7 @@
 
 import logging
 import shutil
+import warnings
 
 import numpy as np
 import pytest
@@ -484,3 +485,29 @@ def test_every_int8_tiling_of_a_32_row_product_compiles_with_nvcc():
         with tvm_ext.parse_target(CUDA_TARGET):
             cubin = nvcc.compile_cuda(lib.mod.imports[0].inspect_source("cuda"), target_format="cubin", compiler="nvcc")
         assert bytes(cubin[:4]) == b"\x7fELF", knobs
+
+
+def matmul_cast(m, k, n):
+    """x @ w in float32, rounded to fp16: how from_torch imports an fp16 matmul."""
+    x, w = relax.Var("x", relax.TensorType([m, k], "float16")), relax.Var("w", relax.TensorType([k, n], "float16"))
+    return main_module(lambda bb, x, w: relax.op.astype(relax.op.matmul(x, w, out_dtype="float32"), "float16"), [x, w])
+
+
+def test_k_padded_alone_keeps_the_epilogue_and_tensor_cores():
+    """K = 688 (LLaMA-style intermediate sizes) pads K only: C and its cast are written as they are."""
+    target = {"kind": "cuda", "arch": "sm_80"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # it raised a ScheduleError in the template
+        src = tvm_ext.cuda_source(tvm_ext.build(matmul_cast(128, 688, 256), target))
+    assert "mma_sync" in src
+
+
+@pytest.mark.gpu
+def test_k_padded_matmul_is_right_on_the_gpu(rng):
+    from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
+
+    x, w = rng.standard_normal((128, 688)).astype("float16"), (rng.standard_normal((688, 256)) / 16).astype("float16")
+    dev = tvm.cuda()
+    out = VirtualMachine(tvm_ext.build(matmul_cast(128, 688, 256), "cuda"), dev)["main"](
+        tvm.runtime.tensor(x, dev), tvm.runtime.tensor(w, dev)).numpy()
+    np.testing.assert_allclose(out.astype("float32"), x.astype("float32") @ w.astype("float32"), rtol=1e-2, atol=1e-2)

@@ -232,6 +232,7 @@ class _Rewriter(relax.PyExprMutator):
             return
         batch, seq_q, seq_kv, dim = found["sizes"]
         kernel = attention.kernel(batch, seq_q, seq_kv, dim, found["scale"], found["causal"], given=found["given"])
+        kernel = kernel.without_attr("global_symbol")  # named after its GlobalVar: two attention shapes, two names
         gv = self.builder_.add_func(kernel.with_attrs({"op_pattern": OPAQUE, "tirx.is_scheduled": True}), "fused_attention")
         inputs = [self.visit_expr(found["sources"][name][0]) for name in ("q", "k", "v")]
         inputs = [self.builder_.emit(x) if isinstance(x, relax.Call) else x for x in inputs]  # K transposed

@@ -23,9 +23,8 @@ import os
 import warnings
 
 import tvm
-from tvm import relax, tirx
+from tvm import relax, s_tir, tirx
 from tvm.s_tir import dlight as dl
-from tvm.s_tir import pipeline as s_tir_pipeline
 from tvm.target import Target
 
 import schedules
@@ -34,12 +33,13 @@ from schedules.device import device_of
 from schedules.elementwise import Elementwise
 from schedules.grid_reduce import ZEROED_INPUTS
 
-from . import welford
+from . import fallback, welford
 from .attention import fuse_attention
 from .gated_linears import fuse_gated_epilogues
 from .half_math import half_math_in_float
 from .legalize import legalizations
 from .narrowing import OURS, narrow_indices
+from .passes import check_builds
 from .parallel_matmuls import combine_parallel_linears
 from .records import Database
 from .reduce_fusion import FuseReduceGroups, max_from_top_one
@@ -58,7 +58,8 @@ class ScheduleReductions:
     """Schedule each fused PrimFunc that reduces (matmuls aside) with this project's templates.
 
     Knobs come from the tuning log when it has a record for the function, else from the
-    heuristic. A function no template fits is left for TVM's rules, with a one-line warning.
+    heuristic. A function no template fits, or whose schedule raises anywhere up to code generation,
+    is left for TVM's rules, with a one-line warning.
     """
 
     def __init__(self, database: Database | None = None):
@@ -78,13 +79,13 @@ class ScheduleReductions:
                            [(cond, sch) for cond, _, sch in schedules.scheduled(func, target)])
                 for _, sch in kernels if "gpu" in target.keys else []:  # CPU schedules are plain loops
                     if sch is not None:
-                        _check_lowers(sch.mod["main"], gv.name_hint, target)
-            except Exception as err:  # a template bug must cost speed, never the build
-                kernels, why = [], f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err) else ''}"
-            else:
-                why = "no tvm_ext schedule matches it"
+                        check_builds(sch.mod["main"], gv.name_hint, target)
+            except Exception as err:  # noqa: BLE001 (a template bug must cost speed, never the build)
+                _schedule_failed(gv.name_hint, err, "reduction templates")
+                continue
             if not kernels or any(sch is None for _, sch in kernels):
-                warnings.warn(f"tvm_ext: {gv.name_hint}: {why}; falling back to TVM's default schedule", stacklevel=2)
+                warnings.warn(f"tvm_ext: {gv.name_hint}: no tvm_ext schedule matches it; falling back to TVM's default "
+                              "schedule", stacklevel=2)
                 continue
             scheduled = [(cond, sch.mod["main"].with_attrs({SCHEDULED: True, OURS: True})) for cond, sch in kernels]
             if len(scheduled) == 1 and ZEROED_INPUTS not in (scheduled[0][1].attrs or {}):
@@ -106,7 +107,8 @@ class ScheduleContractions:
     """Schedule fp16/int8 matmuls and direct convolutions, with the elementwise work FuseOps put
     after them, with our GPU templates (knobs from the tuning log, else the template's heuristic);
     the auto-tensorization TIR pass makes tensor-core code of the matmuls at build time. The rest
-    (bf16, symbolic sizes, rows not a whole number of 16-byte vectors) stays for TVM's dlight rules."""
+    (bf16, symbolic sizes, rows not a whole number of 16-byte vectors), and a function whose
+    schedule raises anywhere up to code generation (one warning), stays for TVM's dlight rules."""
 
     def __init__(self, database: Database | None = None):
         self.database = database
@@ -114,23 +116,29 @@ class ScheduleContractions:
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         target = Target.current()
         for gv, func in list(mod.functions_items()):
-            if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False) \
-                    or schedules.contraction_template(func, target) is None:
+            if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False):
                 continue
-            sch = schedules.schedule(func, target, self.database.lookup(func, target) if self.database else None)
+            try:
+                template = schedules.contraction_template(func, target)
+                if template is None:
+                    continue
+                sch = schedules.schedule(func, target, self.database.lookup(func, target) if self.database else None)
+                if sch is not None:
+                    check_builds(sch.mod["main"], gv.name_hint, target)
+            except Exception as err:  # noqa: BLE001 (a template bug must cost speed, never the build)
+                _schedule_failed(gv.name_hint, err, "contraction templates")
+                continue
             if sch is not None:
                 mod.update_func(gv, sch.mod["main"].with_attr(SCHEDULED, True))
         return mod
 
 
-def _check_lowers(func: tirx.PrimFunc, name: str, target: Target) -> None:
-    """Run TVM's TIR lowering (no codegen) on one scheduled function; raises what it would raise.
-
-    Some schedules fail only there (a reducer TVM cannot match, a barrier it cannot place); caught
-    here, they fall back like any other refusal instead of failing the whole build.
-    """
-    lower, _, _ = s_tir_pipeline.default_s_tir_pipeline()
-    lower(tvm.IRModule({name: func.with_attr("global_symbol", name).with_attr("target", target)}))
+def _schedule_failed(name: str, err: Exception, templates: str) -> None:
+    """Warn that scheduling `name` raised: in a TIR pass of ours (found by check_builds) or a template."""
+    if isinstance(err, fallback.RuleError):
+        fallback.warn(name, err.rule, err.cause)
+    else:
+        fallback.warn(name, f"tvm_ext {templates}", err)
 
 
 def fused_passes(target, **options) -> list:
@@ -148,15 +156,18 @@ def fused_passes(target, **options) -> list:
     statistics = [welford.pair_mean_with_variance] if variance == "welford" else []
     device = device_of(target)
     split_k = {"relax.matmul": split_k_legalization(device.sm_count)} if device.is_gpu else {}
-    return [combine_parallel_linears, fuse_attention, max_from_top_one, half_math_in_float] + relax.pipeline.library_dispatch_passes(target) + statistics + [
-        activation_before_reshape,  # first: it recognises a residual's matmul as relax.matmul, before it is matmul_nt
-        read_transposed_operand,
-        relax.transform.LegalizeOps(customize_legalize_map={**legalizations(variance), **split_k}),
+    guarded = fallback.guarded_rewrite  # a rewrite of ours that raises is skipped, with a warning
+    return [guarded(p) for p in (combine_parallel_linears, fuse_attention, max_from_top_one, half_math_in_float)] \
+        + relax.pipeline.library_dispatch_passes(target) + [guarded(p) for p in statistics] + [
+        guarded(activation_before_reshape),  # first: it recognises a residual's matmul as relax.matmul, before it is matmul_nt
+        guarded(read_transposed_operand),
+        relax.transform.LegalizeOps(customize_legalize_map=fallback.guarded_legalizations({**legalizations(variance),
+                                                                                           **split_k})),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
-        FuseReduceGroups(),
-        fuse_gated_epilogues,
+        guarded(FuseReduceGroups()),
+        guarded(fuse_gated_epilogues),
         relax.transform.FuseTIR(),
     ]
 
@@ -179,10 +190,30 @@ def dlight_defaults(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     architecture's portable variant: dlight reads "sm_90a" as no tensor cores at all (its version
     check wants digits), and its tensor-core code for sm_90 runs as well on sm_90a."""
     target = Target.current()
-    rules = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
-                                    Elementwise(), dl.gpu.Fallback())
+    rules = (dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), Elementwise(),
+             dl.gpu.Fallback())
     with without_arch_specific(target) if target.kind.name == "cuda" else target:
-        return rules(mod)
+        portable = Target.current()
+        for gv, func in list(mod.functions_items()):
+            if isinstance(func, tirx.PrimFunc) and not func.attrs.get(SCHEDULED, False):
+                sch = _first_schedule(gv.name_hint, func, portable, rules)
+                if sch is not None:
+                    mod[gv] = sch.mod["main"].with_attr(SCHEDULED, True)
+    return mod
+
+
+def _first_schedule(name: str, func: tirx.PrimFunc, target: Target, rules) -> s_tir.Schedule | None:
+    """What the first rule that takes `func` makes of it, as dlight's ApplyDefaultSchedule does; a rule
+    that raises is passed over, with a warning."""
+    for rule in rules:
+        try:
+            sch = rule.apply(func, target, False)
+        except Exception as err:  # noqa: BLE001 (the next rule, down to dlight's fallback, takes it)
+            fallback.warn(name, type(rule).__name__, err)
+            continue
+        if sch is not None:
+            return sch[0] if isinstance(sch, list) else sch
+    return None
 
 
 def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **options) -> tvm.transform.Pass:
@@ -202,6 +233,7 @@ def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **opt
         target = Target.current()
         if target is None:
             raise ValueError("the tvm_ext pipeline needs a target: run it inside `with target:` or via tvm_ext.build")
+        fallback.new_build()
         passes = fused_passes(target, **options) + [
             # relax.pipeline.dataflow_lower_passes(llvm) raises in 0.27; these are its passes, with
             # scheduling moved after ToNonDataflow so that kernel variants can be chosen by an `if`
@@ -212,7 +244,7 @@ def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **opt
         ]
         if "gpu" in target.keys:
             passes += [ScheduleContractions(database), dlight_defaults]
-        passes += ([narrow_indices] if narrow else []) + [relax.transform.CallTIRRewrite()]
+        passes += ([fallback.guarded_rewrite(narrow_indices)] if narrow else []) + [relax.transform.CallTIRRewrite()]
         passes += relax.pipeline.finalize_passes(target)
         return tvm.transform.Sequential(passes)(mod)
 

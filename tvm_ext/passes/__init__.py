@@ -12,6 +12,10 @@ Built in: `narrow_index` (early) rewrites the kernels tvm_ext/narrowing.py marke
 `cooperative_launch` (late) launches kernels that use a grid-wide barrier cooperatively;
 `dependent_launch` (late, after it) launches every other kernel on sm_90+ while the one before it retires;
 `welford_lower` (late) gives Welford updates CUDA's fast approximate reciprocal.
+
+Each pass runs behind `fallback.guarded_tir_pass`: a function it raises for is left as it was, with a
+warning. `check_builds` runs one scheduled function through all of this before the pipeline takes its
+schedule, so that a schedule some pass cannot take goes back to TVM's rules instead.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ import contextlib
 import tvm
 from tvm import tirx
 from tvm.s_tir import pipeline as s_tir_pipeline
+from tvm.target import Target
+from tvm.tirx.build import split_host_device_mods
+
+from .. import fallback
 
 TIR_PIPELINE = "tvm_ext"
 PHASES = ("early", "late")
@@ -65,15 +73,37 @@ def _tir_pipeline():
         # marks the copies a schedule annotated as asynchronous, so other kernels are unchanged
         config = {**dict(ctx.config), "tirx.use_async_copy": True}
         with tvm.transform.PassContext(ctx.opt_level, ctx.required_pass, ctx.disabled_pass, ctx.instruments, config):
-            return lower(tvm.transform.Sequential(_passes["early"])(mod))
+            return lower(_guarded("early")(mod))
 
     def _finalize_device():
-        return tvm.transform.Sequential(_passes["late"] + [finalize_device()])
+        return tvm.transform.Sequential([_guarded("late"), finalize_device()])
 
     return _pipeline, finalize_host, _finalize_device
 
 
+def _guarded(phase: str) -> tvm.transform.Pass:
+    return tvm.transform.Sequential([fallback.guarded_tir_pass(p) for p in _passes[phase]])
+
+
 tirx.register_tir_pipeline(TIR_PIPELINE, _tir_pipeline)
+
+
+def check_builds(func: tirx.PrimFunc, name: str, target: Target) -> None:
+    """Run the TIR half of a build on one scheduled function: our passes, TVM's lowering, the
+    host/device split and the device finalization (all but code generation). Raises what the build
+    would raise; `fallback.RuleError` where a pass of ours raised."""
+    mod = tvm.IRModule({name: func.with_attr("global_symbol", name)})
+    mod = tirx.transform.BindTarget(target if target.host is not None else Target(target, host="llvm"))(mod)
+    lower, _, finalize_device = _tir_pipeline()
+    with fallback.strict() as raised:
+        try:
+            _, device_mods = split_host_device_mods(lower(mod))
+            for device_mod in device_mods.values():
+                finalize_device()(device_mod)
+        except Exception as err:
+            if raised:  # a pass of ours: its RuleError, which crossing TVM's C++ made a RuntimeError
+                raise raised[-1] from err
+            raise
 
 
 def _register_builtin_passes() -> None:

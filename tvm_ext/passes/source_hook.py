@@ -15,6 +15,7 @@ import re
 
 import tvm_ffi
 
+from .. import fallback
 from .cooperative_launch import with_header
 
 _EXTERN_SHARED = re.compile(r"extern __shared__ __align__\(\d+\) (\w+) (\w+)\[\];")
@@ -43,6 +44,7 @@ def register_source_hook() -> None:
 
     def postproc(code, target):
         code = earlier(code, target) if earlier is not None else code
-        return unique_dynamic_shared(with_header(code))
+        return ours(code, target)
 
+    ours = fallback.guarded_hook(lambda code, _target: unique_dynamic_shared(with_header(code)), "CUDA source hook")
     tvm_ffi.register_global_func("tvm_callback_cuda_postproc", postproc, override=True)
