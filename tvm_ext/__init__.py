@@ -5,7 +5,8 @@ the Welford reducers (so that a process that only schedules, e.g. a tuner's work
 """
 
 from .api import build, export
-from .frontend import UnsupportedOperatorError, from_torch
+from .fallback import FallbackWarning
+from .frontend import ExportError, UnsupportedOperatorError, from_torch
 from .introspect import cuda_kernels, cuda_source, first_divergent_call, trace_calls
 from .passes import register_tir_pass, unregister_tir_pass
 from .pipeline import PIPELINE, register, tvm_ext_pipeline
@@ -16,6 +17,6 @@ from . import welford
 register()
 welford.register()
 
-__all__ = ["PIPELINE", "UnsupportedOperatorError", "build", "cuda_kernels", "cuda_source", "export", "first_divergent_call", "from_torch", "load",
+__all__ = ["PIPELINE", "ExportError", "FallbackWarning", "UnsupportedOperatorError", "build", "cuda_kernels", "cuda_source", "export", "first_divergent_call", "from_torch", "load",
            "parse_target", "register_tir_pass", "trace_calls", "tvm_ext_pipeline", "unregister_tir_pass"]
 __version__ = "0.1.0"
