@@ -81,10 +81,20 @@ def with_full_legalized(mod):
 
 def run_model(name: str, database: str | None, log) -> dict:
     module, x = make(name)
-    mod = tvm_ext.from_torch(copy.deepcopy(module), x)  # from CPU tensors: the frontend copies weights out
-    module, x = module.cuda(), x.cuda()
+    return run_module(name, module, (x,), database, log)
+
+
+def run_module(name: str, module, inputs: tuple, database: str | None, log, breakdown: bool = True) -> dict:
+    """`module(*inputs)` (CPU tensors) timed as ours, ours without dependent launch, TVM's default,
+    torch eager and torch.compile; each implementation's error or time and max abs error vs eager."""
+    try:
+        mod = tvm_ext.from_torch(copy.deepcopy(module), *inputs)  # from CPU tensors: the frontend copies weights out
+    except Exception as err:  # the model does not import: a row that says why
+        return {"model": name, "impls": {"ours": {"error": f"import: {str(err).splitlines()[0][:300]}"}}}
+    module, inputs = module.cuda(), tuple(x.cuda() for x in inputs)
+    x = inputs[0]
     with torch.no_grad():
-        ref = module(x)
+        ref = module(*inputs)
         target = tvm_ext.parse_target("cuda")
         # TVM's default on the plain arch: on sm_90a its dlight rules leave the tensor cores out
         plain = without_arch_specific(target)
@@ -106,18 +116,18 @@ def run_model(name: str, database: str | None, log) -> dict:
             result.setdefault("build_s", {})[impl] = round(time.perf_counter() - started, 1)
         for impl, fn in impls.items():
             try:
-                out = fn(x)
+                out = fn(*inputs)
                 out = out[0] if isinstance(out, tuple) and len(out) == 1 else out
                 torch.cuda.synchronize()
-                result["impls"][impl] = {"us": time_us(fn, [x]), "max_abs_err": max_err(out, ref)}
+                result["impls"][impl] = {"us": time_us(fn, inputs), "max_abs_err": max_err(out, ref)}
             except Exception as err:
                 result["impls"][impl] = {"error": str(err).splitlines()[0][:300]}
             log(f"{name} {impl}: {result['impls'][impl]}")
         for impl in ("ours", "tvm_default"):
             if impl in built:
                 result["impls"][impl]["kernels"] = len(tvm_ext.cuda_kernels(built[impl]))
-        if "ours" in built:
-            result["breakdown"] = kernel_breakdown(impls.get("ours_serial_launch", impls["ours"]), mod, target, [x])
+        if "ours" in built and breakdown:
+            result["breakdown"] = kernel_breakdown(impls.get("ours_serial_launch", impls["ours"]), mod, target, inputs)
     return result
 
 
@@ -174,22 +184,23 @@ def main(argv=None) -> int:
     ap.add_argument("--dynamic-seq", default="", help="sequence lengths for the symbolic-length LLaMA layer")
     args = ap.parse_args(argv)
     results = []
-
-    def save():
-        with open(args.out + ".json", "w", encoding="utf-8") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tvm": tvm.__version__,
-                       "results": results}, f, indent=1)
-        with open(args.out + ".md", "w", encoding="utf-8") as f:
-            f.write(markdown(results) + "\n")
-
     for name in args.models.split(","):
         results.append(run_model(name, args.database, print))
-        save()
+        save(args.out, results)
     if args.dynamic_seq:
         results.append(run_dynamic([int(n) for n in args.dynamic_seq.split(",")], args.database, print))
-        save()
+        save(args.out, results)
     print(markdown(results))
     return 0
+
+
+def save(out: str, results: list[dict]) -> None:
+    """OUT.json (with the GPU and versions) and OUT.md, rewritten after each model."""
+    with open(out + ".json", "w", encoding="utf-8") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                   "tvm": tvm.__version__, "results": results}, f, indent=1)
+    with open(out + ".md", "w", encoding="utf-8") as f:
+        f.write(markdown(results) + "\n")
 
 
 if __name__ == "__main__":

@@ -302,3 +302,17 @@ def test_bad_device_is_a_value_error_naming_it_and_what_is_accepted(exported_row
     with pytest.raises(ValueError, match=re.escape(f"unknown device {device!r}: expected a tvm Device")) as err:
         tvm_ext.load(exported_row_sum, device)
     assert "'llvm', 'cuda'" in str(err.value) and "'cuda:1'" in str(err.value)
+
+
+def test_a_view_after_sdpa_survives_decomposition():
+    """GPT-2 merges its heads after SDPA with a view that is one only at export time."""
+
+    class MergeHeads(torch.nn.Module):
+        def forward(self, q):
+            a = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+            return a.transpose(1, 2).reshape(2, 8, 32).view(-1, 32)
+
+    q = torch.randn(2, 4, 8, 8)
+    mod = tvm_ext.from_torch(MergeHeads(), q)
+    (out,) = VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(q.numpy()))
+    np.testing.assert_allclose(out.numpy(), MergeHeads()(q).numpy(), rtol=1e-5, atol=1e-6)

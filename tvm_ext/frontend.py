@@ -239,6 +239,20 @@ def unsupported_ops(program) -> list[str]:
                    for node in graph.graph.nodes if node.op == "call_function"} - known)
 
 
+def _views_as_reshapes(program):
+    """`program` with its views as reshapes. A view recorded where the tensor was contiguous may not
+    be one once ops before it are decomposed (GPT-2's heads merged after SDPA: decomposed, SDPA
+    leaves other strides and the view raises); a reshape is a view where one exists, and TVM has no
+    strides to keep."""
+    import torch  # noqa: PLC0415
+
+    for node in program.graph_module.graph.nodes:
+        if node.op == "call_function" and node.target == torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+    program.graph_module.recompile()
+    return program
+
+
 def from_torch(module, *example, dynamic: dict | None = None) -> tvm.IRModule:
     """Export `module` (in eval mode) on `example` inputs and import it as a Relax module whose
     weights are constants. `dynamic`: {input index: {dim: spec}} for dims left symbolic, a spec being
@@ -255,7 +269,7 @@ def from_torch(module, *example, dynamic: dict | None = None) -> tvm.IRModule:
     except Exception as err:  # torch's message carries the fix (e.g. the Dim bounds to pass): keep all of it
         raise ExportError("torch.export could not export the model; PyTorch's message follows (Dim bounds it "
                           f"suggests go in dynamic= as (name, min, max) or as the Dim itself):\n{err}") from err
-    program = program.run_decompositions()  # what from_exported_program would do: the ops it will see
+    program = _views_as_reshapes(program).run_decompositions()  # what from_exported_program would do
     missing = unsupported_ops(program)
     if missing:
         raise UnsupportedOperatorError(missing)

@@ -1,0 +1,108 @@
+"""The model zoo (examples/zoo.py) as users call it: transformers' decoders, encoders and ViT, and
+torchvision's ResNet-18, small and with random weights, through torch.export -> from_torch -> build.
+
+On llvm each runs and matches PyTorch; for CUDA (sm_90a and sm_80, fp16 and bf16) each builds with
+no rule of ours falling back and no more kernels than TVM's default pipeline; decoders build once
+for every sequence length. On a GPU (marked `gpu`) each runs and matches PyTorch."""
+
+import warnings
+
+import numpy as np
+import pytest
+import tvm
+from tvm.runtime.vm import VirtualMachine
+
+import tvm_ext
+from tvm_ext.fallback import FallbackWarning
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("torchvision")
+from bench.e2e import with_full_legalized  # noqa: E402
+from examples.zoo import HAS_ATTN, VOCAB, ZOO  # noqa: E402
+from tvm_ext.target import without_arch_specific  # noqa: E402
+
+DECODERS = ["gpt2", "llama", "mistral", "qwen2"]
+CPU_MODELS = DECODERS + [f"{d}_mask" for d in DECODERS] + ["bert", "t5", "vit", "resnet18"]
+CUDA_MODELS = ["gpt2", "llama_mask", "mistral", "qwen2_mask", "bert", "t5_encoder", "vit", "resnet18"]
+NORMS = ("norm", "softmax")  # fused functions named after these must be ours
+
+
+def _model(name, dtype, attn="sdpa"):
+    return ZOO[name](dtype=dtype, **({"attn": attn} if name in HAS_ATTN else {}))
+
+
+def _numpy(x):
+    return x.float().numpy() if x.is_floating_point() else x.numpy()
+
+
+def _run(executable, inputs, device=None):
+    device = device or tvm.cpu()
+    out = VirtualMachine(executable, device)["main"](*[tvm.runtime.tensor(x.numpy(), device) for x in inputs])
+    return (out[0] if not hasattr(out, "numpy") else out).numpy().astype("float32")
+
+
+def _relative_error(out, ref) -> float:
+    return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-6))
+
+
+def _build(mod, target):
+    """(executable, FallbackWarning messages, refusals of norms and softmax) of our build."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        executable = tvm_ext.build(mod, target)
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    refused = [str(w.message) for w in caught if "no tvm_ext schedule matches" in str(w.message)
+               and any(n in str(w.message).split(":")[1] for n in NORMS)]
+    return executable, fallbacks, refused
+
+
+@pytest.mark.parametrize("name", CPU_MODELS)
+def test_llvm_fp32_runs_and_matches_pytorch(name):
+    module, inputs = _model(name, "float32")
+    with torch.no_grad():
+        ref = module(*inputs).float().numpy()
+    executable, fallbacks, _ = _build(tvm_ext.from_torch(module, *inputs), "llvm")
+    assert fallbacks == []
+    assert _relative_error(_run(executable, inputs), ref) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("name", CUDA_MODELS)
+def test_cuda_builds_without_fallback_and_no_more_kernels_than_tvm(name, arch, dtype):
+    module, inputs = _model(name, dtype)
+    mod = tvm_ext.from_torch(module, *inputs)
+    target = tvm_ext.parse_target({"kind": "cuda", "arch": arch})
+    executable, fallbacks, refused = _build(mod, target)
+    assert fallbacks == [] and refused == []
+    ours = tvm_ext.cuda_kernels(executable)
+    default = tvm_ext.cuda_kernels(tvm.compile(with_full_legalized(mod), target=without_arch_specific(target)))
+    assert 0 < len(ours) <= len(default), (ours, default)
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_decoders_build_once_for_every_length(name):
+    module, inputs = _model(name, "float32")
+    mod = tvm_ext.from_torch(module, *inputs, dynamic={0: {1: ("seq", 1, 128)}})
+    executable, fallbacks, _ = _build(mod, "llvm")
+    assert fallbacks == []
+    for seq in (5, 48):
+        ids = (inputs[0][:, :1] + torch.arange(seq)) % VOCAB
+        with torch.no_grad():
+            ref = module(ids).float().numpy()
+        assert _relative_error(_run(executable, (ids,)), ref) <= 1e-4, seq
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", CPU_MODELS)
+def test_gpu_runs_and_matches_pytorch(name, dtype):
+    module, inputs = _model(name, dtype)
+    mod = tvm_ext.from_torch(module, *inputs)
+    with torch.no_grad():
+        ref = module.cuda()(*[x.cuda() for x in inputs]).float().cpu().numpy()
+    executable, fallbacks, _ = _build(mod, "cuda")
+    assert fallbacks == []
+    out = _run(executable, inputs, tvm.cuda())
+    assert _relative_error(out, ref) <= (2e-2 if dtype == "float16" else 6e-2)
