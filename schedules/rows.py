@@ -11,7 +11,8 @@ in shared memory with wide loads, so they cross HBM once.
 from __future__ import annotations
 
 import tvm
-from tvm import s_tir
+import tvm_ffi
+from tvm import s_tir, tirx
 
 from .analysis import ReducePattern, const_int
 
@@ -22,6 +23,12 @@ MAX_EPILOGUE_LANES = 4
 # Rows staged in shared memory up to this size were measured correct and fastest on an H200
 # (bench.sweep: softmax 2048x32768 f16, 3740 GB/s staged against 1964 re-read); larger is untried.
 SMEM_CACHE_LIMIT = 64 * 1024
+# Shared memory a block may use without opting in to more (CUDA's 48 KB, static and dynamic
+# together; all of a static stage's), less 1 KB for what TVM's cross-thread reductions declare
+# beside the stages (a few words per warp and value). TVM's runtime opts a kernel in only where
+# its dynamic shared memory alone reaches 48 KB.
+NO_OPT_IN_SMEM = 48 * 1024
+STATIC_SMEM_LIMIT = NO_OPT_IN_SMEM - 1024
 
 
 def vector_lanes(pattern: ReducePattern) -> int:
@@ -83,6 +90,43 @@ def stage_is_bounded(pattern: ReducePattern, rows_per_block: int) -> bool:
 def worth_caching(pattern: ReducePattern, rows_per_block: int = 1) -> bool:
     size = row_bytes(pattern, cached_inputs(pattern))
     return bool(size) and size * rows_per_block <= SMEM_CACHE_LIMIT and stage_is_bounded(pattern, rows_per_block)
+
+
+def _let_bound(pattern: ReducePattern) -> bool:
+    """Whether a reduction of the chain updates a state of several values through let-bindings
+    (Welford's (M2, mean, count), the one-pass (sum, sum of squares))."""
+    found = []
+    for info in pattern.reductions:
+        tvm_ffi.structural_walk(pattern.sch.get(info.block_rv).body, (tirx.Bind, found.append), order="pre")
+    return bool(found)
+
+
+def stage_scopes(pattern: ReducePattern, buffers: list, rows_per_block: int) -> list[tuple]:
+    """(buffer, storage scope) of each input to stage: dynamic shared memory (TVM's runtime raises
+    the 48 KB default when a launch asks for more), but at most one dynamic stage where a
+    reduction's update is let-bound.
+
+    TVM 0.27's MergeSharedMemoryAllocations, which runs once a kernel has two dynamic allocations,
+    rejects a let-binding that loads any buffer of the kernel outside a loop or branch ("Load
+    memory in places other than store"), and that is where Welford's update lands once each lane
+    takes its share of the row in one unrolled chunk: residual + LayerNorm, which stages x and the
+    residual, failed at every BERT width. The largest stage then stays dynamic and the others are
+    static while they fit: 48 KB in all, or 48 KB of static stages beside a dynamic one of 48 KB or
+    more (a launch is only opted in to more for the latter); any left over is read from global
+    memory (at 8192 float32 columns, one row a block, the residual)."""
+    if len(buffers) < 2 or not _let_bound(pattern):
+        return [(buf, "shared.dyn") for buf in buffers]
+    sizes = [(row_bytes(pattern, [buf]) or 0) * rows_per_block for buf in buffers]
+    largest = sizes.index(max(sizes))
+    budget = STATIC_SMEM_LIMIT - (sizes[largest] if sizes[largest] < NO_OPT_IN_SMEM else 0)
+    scopes = []
+    for i, buf in enumerate(buffers):
+        if i == largest:
+            scopes.append((buf, "shared.dyn"))
+        elif sizes[i] <= budget:
+            budget -= sizes[i]
+            scopes.append((buf, "shared"))
+    return scopes
 
 
 def _spread(sch: s_tir.Schedule, loops, threads: int, vec: int, vectorize: bool):
@@ -160,12 +204,11 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
         reductions.append((info.block_rv, outer))
 
     staged_buffers = []
-    for buf in cached_inputs(pattern) if cache else []:
+    for buf, scope in stage_scopes(pattern, cached_inputs(pattern), rows_per_block) if cache else []:
         consumers = [b.block_rv for b in pattern.blocks
                      if any(r.source.same_as(buf) for r in sch.get(b.block_rv).reads)]
         index = [i for i, r in enumerate(sch.get(consumers[0]).reads) if r.source.same_as(buf)][0]
-        # dynamic shared memory: TVM's runtime raises the 48 KB default when a launch asks for more
-        stage = sch.cache_read(consumers[0], index, "shared.dyn", consumer_blocks=consumers)
+        stage = sch.cache_read(consumers[0], index, scope, consumer_blocks=consumers)
         sch.compute_at(stage, block, preserve_unit_loops=True)  # each threadIdx.y stages its own row
         staged_row, *columns = sch.get_loops(stage)[1:]
         sch.bind(sch.fuse(staged_row, *columns[:-1]) if len(columns) > 1 else staged_row, "threadIdx.y")

@@ -87,3 +87,67 @@ def test_bfloat16_variance_on_the_cpu_is_right(rng):
     got = VirtualMachine(tvm_ext.build(variance_module(3, 256, "bfloat16"), "llvm"), tvm.cpu())["main"](
         tvm.runtime.tensor(xs)).numpy()
     np.testing.assert_allclose(got.astype("float64"), xs.astype("float64").var(1), rtol=2e-2)
+
+
+def _residual_layer_norm(rows, hidden, dtype="float16"):
+    """BERT's residual + LayerNorm: x and the residual, [rows, hidden], reshaped to [1, rows, hidden],
+    added, normed over hidden with constant gamma and beta."""
+    from tvm import relax  # noqa: PLC0415
+
+    bb = relax.BlockBuilder()
+    x, r = (relax.Var(name, relax.TensorType([rows, hidden], dtype)) for name in ("x", "r"))
+    gamma = relax.const(np.linspace(0.5, 1.5, hidden).astype(dtype), dtype)
+    beta = relax.const(np.linspace(-0.25, 0.25, hidden).astype(dtype), dtype)
+    with bb.function("main", [x, r]):
+        with bb.dataflow():
+            h = bb.emit(relax.op.add(bb.emit(relax.op.reshape(x, [1, rows, hidden])),
+                                     bb.emit(relax.op.reshape(r, [1, rows, hidden]))))
+            out = bb.emit_output(relax.op.nn.layer_norm(h, gamma, beta, axes=[-1], epsilon=1e-12))
+        bb.emit_func_output(out)
+    return bb.get(), np.linspace(0.5, 1.5, hidden), np.linspace(-0.25, 0.25, hidden)
+
+
+@pytest.mark.parametrize("hidden", [128, 256, 768, 1024])
+def test_residual_layer_norm_is_one_kernel_of_ours_on_cuda(hidden):
+    # Both rows are staged. Two dynamic shared-memory stages made TVM's MergeSharedMemoryAllocations
+    # run, and it rejects the let-bindings of Welford's fully unrolled update ("Load memory in places
+    # other than store"): every BERT width fell back to TVM's schedule with a FallbackWarning.
+    from tvm_ext.fallback import FallbackWarning  # noqa: PLC0415
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        src = tvm_ext.cuda_source(tvm_ext.build(_residual_layer_norm(64, hidden)[0], CUDA_TARGET))
+    assert [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)] == []
+    kernels = set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(', src))
+    assert len(kernels) == 1, kernels
+    assert re.search(r"\bx_shared\w*_ptr\b", src) and re.search(r"\br_shared\w*_ptr\b", src), "both rows staged"
+    assert src.count("extern __shared__") == 1, "one dynamic stage, the other static"
+
+
+def test_residual_layer_norm_stages_past_48_kb_only_what_a_launch_takes_without_opting_in():
+    # 8192 float32 columns, one row a block: x and the residual are 32 KB each. A static 32 KB beside
+    # a dynamic 32 KB needs an opt-in that TVM's launch makes only for 48 KB of dynamic memory: the
+    # residual is read from global memory instead.
+    from tvm_ext.fallback import FallbackWarning  # noqa: PLC0415
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        src = tvm_ext.cuda_source(tvm_ext.build(_residual_layer_norm(64, 8192, "float32")[0], CUDA_TARGET))
+    assert [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)] == []
+    assert re.search(r"extern __shared__ __align__\(\d+\) float x_shared\w*_ptr\[\];", src)
+    assert not re.search(r"\br_shared\w*_ptr\b", src)
+
+
+@pytest.mark.parametrize("hidden, dtype", [(256, "float16"), (768, "float32")])
+def test_residual_layer_norm_on_the_cpu_matches_numpy(hidden, dtype, rng):
+    mod, gamma, beta = _residual_layer_norm(16, hidden, dtype)
+    xs, rs = (rng.standard_normal((16, hidden)).astype(dtype) for _ in range(2))
+    got = VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())["main"](
+        tvm.runtime.tensor(xs), tvm.runtime.tensor(rs)).numpy()
+    h = xs.astype("float64") + rs.astype("float64")
+    if dtype == "float16":
+        h = (xs + rs).astype("float64")  # the sum is taken in float16, as the model does
+    ref = (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + 1e-12)
+    ref = ref * gamma.astype(dtype).astype("float64") + beta.astype(dtype).astype("float64")
+    assert got.shape == (1, 16, hidden)
+    np.testing.assert_allclose(got[0].astype("float64"), ref, atol={"float16": 1e-2, "float32": 2e-5}[dtype])
