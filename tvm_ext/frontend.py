@@ -228,6 +228,16 @@ def _dynamic_shapes(dynamic: dict, inputs: int) -> list:
     return [{d: shared(spec) for d, spec in dynamic.get(i, {}).items()} or None for i in range(inputs)]
 
 
+def _by_parameter(module, shapes: list) -> list:
+    """Per-input `shapes` as torch.export matches them, to `forward`'s parameters: the inputs that
+    fill a `*args` parameter are one tuple there."""
+    import inspect  # noqa: PLC0415
+
+    params = list(inspect.signature(module.forward).parameters.values())
+    star = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
+    return shapes if star is None else shapes[:star] + [tuple(shapes[star:])]
+
+
 def unsupported_ops(program) -> list[str]:
     """Sorted names of the ops in `program` (an ExportedProgram, cond branches included) that neither TVM
     0.27's importer nor our CONVERTERS convert."""
@@ -263,7 +273,7 @@ def from_torch(module, *example, dynamic: dict | None = None) -> tvm.IRModule:
     import torch  # noqa: PLC0415
     from tvm.relax.frontend.torch import from_exported_program  # noqa: PLC0415
 
-    shapes = _dynamic_shapes(dynamic, len(example)) if dynamic else None
+    shapes = _by_parameter(module, _dynamic_shapes(dynamic, len(example))) if dynamic else None
     try:
         program = torch.export.export(module.eval(), tuple(example), dynamic_shapes=shapes)
     except Exception as err:  # torch's message carries the fix (e.g. the Dim bounds to pass): keep all of it
