@@ -7,6 +7,7 @@ for every sequence length. On a GPU (marked `gpu`) each runs and matches PyTorch
 
 import warnings
 
+import ml_dtypes
 import numpy as np
 import pytest
 import tvm
@@ -32,13 +33,14 @@ def _model(name, dtype, attn="sdpa"):
     return ZOO[name](dtype=dtype, **({"attn": attn} if name in HAS_ATTN else {}))
 
 
-def _numpy(x):
-    return x.float().numpy() if x.is_floating_point() else x.numpy()
+def _array(x):
+    """A CPU tensor as NumPy (bf16 through ml_dtypes, which NumPy lacks)."""
+    return x.float().numpy().astype(ml_dtypes.bfloat16) if x.dtype == torch.bfloat16 else x.numpy()
 
 
 def _run(executable, inputs, device=None):
     device = device or tvm.cpu()
-    out = VirtualMachine(executable, device)["main"](*[tvm.runtime.tensor(x.numpy(), device) for x in inputs])
+    out = VirtualMachine(executable, device)["main"](*[tvm.runtime.tensor(_array(x), device) for x in inputs])
     return (out[0] if not hasattr(out, "numpy") else out).numpy().astype("float32")
 
 
