@@ -214,3 +214,48 @@ def test_a_column_sum_with_an_epilogue_is_right_on_the_gpu(knobs, rng):
     args = [tvm.runtime.tensor(v, tvm.cuda()) for v in (x, bias)] + [tvm.runtime.empty((16, 512), "float32", tvm.cuda())]
     _column_sum_then_bias(8, knobs)["main"](*args)
     np.testing.assert_allclose(args[2].numpy(), x.astype("float64").sum(0) + bias, rtol=1e-5, atol=1e-5)
+
+
+def masked_row_guard(rows=16, width=32):
+    """softmax(x), with rows whose every score is -inf set to 0: how TVM imports PyTorch's SDPA."""
+    from tvm import relax  # noqa: PLC0415
+    from bench.spelled import main_module  # noqa: PLC0415
+
+    op = relax.op
+
+    def body(bb, x):
+        seen = op.max(op.astype(op.logical_not(op.equal(x, relax.const(float("-inf"), "float32"))), "uint8"), axis=[-1],
+                      keepdims=True)
+        hidden = op.logical_not(op.not_equal(seen, relax.const(0, "uint8")))
+        probs = op.nn.softmax(x, axis=-1)
+        return op.where(hidden, op.zeros_like(probs), probs)
+
+    return main_module(body, [relax.Var("x", relax.TensorType([rows, width], "float32"))])
+
+
+def test_a_select_on_one_bool_per_row_is_a_branch():
+    """A 4-lane select on a broadcast bool was printed as `float4 v = make_ushort4(...)` (nvcc rejects it)."""
+    src = tvm_ext.cuda_source(tvm_ext.build(masked_row_guard(), {"kind": "cuda", "arch": "sm_80"}))
+    assert "make_ushort4" not in src and "bool(v_" not in src
+    if shutil.which("nvcc"):
+        import subprocess, tempfile  # noqa: E401, PLC0415
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(f"{tmp}/k.cu", "w", encoding="utf-8") as f:
+                f.write(src)
+            assert subprocess.run(["nvcc", "-arch=sm_80", "-cubin", "-o", f"{tmp}/k.cubin", f"{tmp}/k.cu"],
+                                  capture_output=True, check=False).returncode == 0
+
+
+@pytest.mark.gpu
+def test_a_select_on_one_bool_per_row_is_right_on_the_gpu():
+    import numpy as np  # noqa: PLC0415
+    from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
+
+    x = np.random.default_rng(0).standard_normal((16, 32)).astype("float32")
+    x[3] = -np.inf
+    dev = tvm.cuda()
+    out = VirtualMachine(tvm_ext.build(masked_row_guard(), "cuda"), dev)["main"](tvm.runtime.tensor(x, dev)).numpy()
+    e = np.exp(x - x.max(-1, keepdims=True))
+    ref = e / e.sum(-1, keepdims=True)
+    ref[3] = 0
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)

@@ -2,10 +2,15 @@
 torchvision's ResNet-18, small and with random weights, through torch.export -> from_torch -> build.
 
 On llvm each runs and matches PyTorch; for CUDA (sm_90a and sm_80, fp16 and bf16) each builds with
-no rule of ours falling back and no more kernels than TVM's default pipeline; decoders build once
+no rule of ours falling back, to source nvcc compiles (where nvcc is installed), and no more kernels
+than TVM's default pipeline; decoders build once
 for every sequence length. On a GPU (marked `gpu`) each runs and matches PyTorch."""
 
+import shutil
+import subprocess
+import tempfile
 import warnings
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -59,6 +64,14 @@ def _build(mod, target):
     return executable, fallbacks, refused
 
 
+def _nvcc(source: str, arch: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.cu").write_text(source)
+        done = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-o", str(Path(tmp) / "k.cubin"), str(Path(tmp) / "k.cu")],
+                              capture_output=True, text=True, check=False)
+    assert done.returncode == 0, [line for line in done.stderr.splitlines() if "error" in line][:5]
+
+
 @pytest.mark.parametrize("name", CPU_MODELS)
 def test_llvm_fp32_runs_and_matches_pytorch(name):
     module, inputs = _model(name, "float32")
@@ -90,6 +103,8 @@ def test_cuda_builds_without_fallback_and_no_more_kernels_than_tvm(name, arch, d
     assert fallbacks == [] and refused == []
     ours = tvm_ext.cuda_kernels(executable)
     assert ours
+    if shutil.which("nvcc"):  # the source must also compile: TVM's codegen can print what nvcc rejects
+        _nvcc(tvm_ext.cuda_source(executable), arch)
     try:
         default = tvm_ext.cuda_kernels(tvm.compile(with_full_legalized(mod), target=without_arch_specific(target)))
     except tvm.error.InternalError as err:  # TVM's pipeline cannot build it (bf16 layer_norm): nothing to compare

@@ -8,7 +8,8 @@ default s_tir pipeline with the passes registered for each phase spliced in.
 
 Built in: `narrow_index` (early) rewrites the kernels tvm_ext/narrowing.py marked to int32 indices;
 `AutoTensorize` (early) makes tensor-core code of the matmul template's schedules (tensorize.py);
-`bool_loads_as_bytes_pass` (early) reads bool buffers in vector loops as bytes (TVM's CUDA codegen misprints them);
+`bool_loads_as_bytes_pass` (early) reads bool buffers in vector loops as bytes and
+`uniform_selects_as_branches_pass` (late) selects vectors on one bool as a branch (TVM's CUDA codegen misprints both);
 `cooperative_launch` (late) launches kernels that use a grid-wide barrier cooperatively;
 `dependent_launch` (late, after it) launches every other kernel on sm_90+ while the one before it retires;
 `welford_lower` (late) gives Welford updates CUDA's fast approximate reciprocal.
@@ -107,7 +108,7 @@ def check_builds(func: tirx.PrimFunc, name: str, target: Target) -> None:
 
 
 def _register_builtin_passes() -> None:
-    from .bool_vectors import bool_loads_as_bytes_pass  # noqa: PLC0415
+    from .bool_vectors import bool_loads_as_bytes_pass, uniform_selects_as_branches_pass  # noqa: PLC0415
     from .cooperative_launch import cooperative_launch  # noqa: PLC0415
     from .dependent_launch import dependent_launch  # noqa: PLC0415
     from .narrow_index import narrow_index  # noqa: PLC0415
@@ -122,6 +123,7 @@ def _register_builtin_passes() -> None:
     register_tir_pass(cooperative_launch, phase="late")
     register_tir_pass(dependent_launch, phase="late")  # after: it leaves cooperative kernels alone
     register_tir_pass(welford_lower, phase="late")
+    register_tir_pass(uniform_selects_as_branches_pass, phase="late")
     register_source_hook()
 
 

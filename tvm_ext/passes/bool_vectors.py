@@ -1,9 +1,16 @@
-"""Vector loads of bool buffers read bytes: TVM 0.27's CUDA codegen prints a 4-lane bool load as a
+"""Bool vectors TVM 0.27's CUDA codegen misprints, rewritten before it sees them.
+
+Vector loads of bool buffers read bytes: TVM 0.27's CUDA codegen prints a 4-lane bool load as a
 `ushort4` read (8 bytes where the 4 bools take 4): the wrong bytes, and a misaligned-address fault
 where the address is not a multiple of 8. A causal mask folded to a bool constant and fused into
 our attention softmax faulted so on the H200 (LLaMA layer, seq 512). The early-phase pass below
 makes each vectorized loop that reads a bool buffer read it through an int8 view of the same memory
 and cast the bytes back to bool (codegen then loads them as one 4-byte int); the loop stays vectorized.
+
+A select on one condition for every lane, `Select(Broadcast(c), a, b)`, becomes `if_then_else(c, a,
+b)`: codegen prints the broadcast bool as `float4 v = make_ushort4(...)`, which nvcc rejects. A
+vectorised row kernel meets it where PyTorch's SDPA zeroes the rows a mask hides entirely (every
+transformers decoder and encoder with SDPA). The late-phase pass below rewrites it.
 """
 
 from __future__ import annotations
@@ -48,4 +55,22 @@ def bool_loads_as_bytes_pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     for gv, func in list(mod.functions_items()):
         if isinstance(func, tirx.PrimFunc):
             mod.update_func(gv, bool_loads_as_bytes(func))
+    return mod
+
+
+def uniform_selects_as_branches(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    def rewrite(select):
+        cond = select.condition
+        if not isinstance(cond, tirx.Broadcast):
+            return select
+        return tirx.if_then_else(cond.value, select.true_value, select.false_value)
+
+    return func.with_body(tvm_ffi.structural_map(func.body, (tirx.Select, rewrite)))
+
+
+@tvm.transform.module_pass(opt_level=0, name="TVMExtUniformSelectsAsBranches")
+def uniform_selects_as_branches_pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    for gv, func in list(mod.functions_items()):
+        if isinstance(func, tirx.PrimFunc):
+            mod.update_func(gv, uniform_selects_as_branches(func))
     return mod
