@@ -5,7 +5,8 @@ instruction: the normalisation after ResNet's batch statistics (read x, write y,
 1.6 TB/s on an H200. Taken only where every input is read along the output's innermost axis with
 stride 1 within each vector, or not at all (a per-channel scale, a statistic): then the vector
 accesses are contiguous; a transpose of that axis stays with dlight. Where a choice depends on the
-lane (LLaMA's rotate_half), the LANES elements of a thread lie THREADS apart instead, unrolled.
+lane (LLaMA's rotate_half), and where the output is bool (TVM's CUDA codegen misprints a bool vector
+store), the LANES elements of a thread lie THREADS apart instead, unrolled.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def apply(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     access = _access(sch.get(block)) if inner is not None and inner % LANES == 0 else None
     if access is None:
         return None
+    if str(sch.get(block).writes[0].source.dtype) == "bool":  # TVM prints a 4-lane bool store as one 8-byte
+        access = SPREAD  # ushort4 at 4-byte steps (misaligned-address fault): lanes apart, unrolled, not vectors
     if access == VECTORS:
         _, tx, lanes = sch.split(sch.fuse(*loops), [None, THREADS, LANES])
         sch.vectorize(lanes)

@@ -141,3 +141,26 @@ def test_a_0d_operand_is_right_on_the_gpu(rng):
     out = VirtualMachine(tvm_ext.build(add_scalar(), "cuda"), dev)["main"](tvm.runtime.tensor(x, dev),
                                                                            tvm.runtime.tensor(s, dev)).numpy()
     np.testing.assert_array_equal(out, x + s)
+
+
+def mask_to_bool(shape=(2, 64)):
+    """transformers' `attention_mask.bool()`: an int64 mask cast to bool."""
+    m = relax.Var("m", relax.TensorType(list(shape), "int64"))
+    return main_module(lambda bb, m: op.astype(m, "bool"), [m])
+
+
+def test_bool_outputs_are_stored_one_lane_at_a_time():
+    """A 4-lane bool store was printed as one 8-byte ushort4 at 4-byte steps: a misaligned-address fault."""
+    source = cuda_source(tvm_ext.build(mask_to_bool(), CUDA_TARGET))
+    assert "ushort4" not in source and "bool4" not in source
+    assert elementwise.apply(_only_func(mask_to_bool())) is not None  # still ours: LANES per thread, unrolled
+
+
+@pytest.mark.gpu
+def test_bool_outputs_are_right_on_the_gpu(rng):
+    from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
+
+    m = rng.integers(0, 2, (2, 64)).astype("int64")
+    dev = tvm.cuda()
+    out = VirtualMachine(tvm_ext.build(mask_to_bool(), "cuda"), dev)["main"](tvm.runtime.tensor(m, dev)).numpy()
+    np.testing.assert_array_equal(out, m.astype(bool))
