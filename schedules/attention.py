@@ -13,6 +13,12 @@ lanes that share a row by warp shuffles; one `m64n{dim}k16` per 16 keys adds P V
 use the 128-byte swizzled layouts of schedules/wgmma_matmul.py: Q, K and P as k-major rows of 64,
 V ([keys, dim]) as an n-major B in 64-column atoms.
 
+Optionally an additive mask (fp16 or float32, logically [batch, seq_q, seq_kv], in practice a view
+that repeats one [b, 1, q, kv] mask over the heads with stride 0) is added to the scaled scores:
+-inf keys get weight 0; a row whose every key is -inf gives 0 / 0 = NaN as softmax does, or 0 where
+`empty_rows_zero` (SDPA's guard). Finite values must be >= MASK_FLOOR, so that a row of them keeps
+a maximum above the running maximum's start.
+
 Logically Q [batch, seq, dim], K [batch, seq, dim], V [batch, seq, dim], fp16; output [batch, seq,
 dim] fp16. Each may be a view (schedules/strided_view.py) into a tensor of another shape: the packed
 qkv projection that the model slices q, k and v from, the [b, s, heads * dim] rows the output is
@@ -34,6 +40,8 @@ HEAD_DIMS = (64, 128)
 MASKED = -1.0e30  # finite: a fully masked row of a tile then adds exp2(-1e30 - m) = 0, never NaN
 LOG2E = 1.4426950408889634
 COPY_ELEMS = 8  # fp16 elements of one 16-byte cp.async
+MASK_FLOOR = -1.0e29  # finite mask values at or above this: x LOG2E they stay above MASKED
+MASK_DTYPES = ("float16", "float32")
 OPERANDS = ("q", "k", "v", "out")
 Operand = tuple[tuple[int, ...], StridedView]  # the tensor passed, and where the logical operand lies in it
 
@@ -46,11 +54,15 @@ def operands(batch: int, seq_q: int, seq_kv: int, dim: int, given: dict[str, Ope
 
 
 def fits(batch: int, seq_q: int, seq_kv: int, dim: int, causal: bool, warpgroups: int = 1, block_n: int = 64,
-         given: dict[str, Operand] | None = None) -> bool:
+         given: dict[str, Operand] | None = None, mask: tuple | None = None) -> bool:
     """Whether `kernel` takes these sizes and operand views: Q, K and V rows copied 16 bytes at a
-    time need unit-stride head dims on 16-byte boundaries; offsets must fit in int32."""
+    time need unit-stride head dims on 16-byte boundaries; offsets must fit in int32. `mask`:
+    (tensor shape, view of the [batch, seq_q, seq_kv] mask in it, dtype)."""
     if not (dim in HEAD_DIMS and seq_q % (warpgroups * ROWS) == 0 and seq_kv % block_n == 0
             and batch > 0 and (not causal or seq_q == seq_kv)):
+        return False
+    if mask is not None and (tuple(mask[1].shape) != (batch, seq_q, seq_kv) or mask[2] not in MASK_DTYPES
+                             or math.prod(mask[0]) >= 2**31):
         return False
     views = operands(batch, seq_q, seq_kv, dim, given)
     return all(views[name][1].unit_stride_rows(-1, COPY_ELEMS) for name in ("q", "k", "v")) \
@@ -58,13 +70,16 @@ def fits(batch: int, seq_q: int, seq_kv: int, dim: int, causal: bool, warpgroups
 
 
 def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: bool,
-           warpgroups: int = 1, block_n: int = 64, given: dict[str, Operand] | None = None) -> tirx.PrimFunc:
-    """The attention PrimFunc (q, k, v, out) for these sizes; `scale` multiplies the scores;
-    `given` places operands in other tensors (default: contiguous [batch, seq, dim] each).
+           warpgroups: int = 1, block_n: int = 64, given: dict[str, Operand] | None = None,
+           mask: tuple | None = None, empty_rows_zero: bool = False) -> tirx.PrimFunc:
+    """The attention PrimFunc (q, k, v, out), or (q, k, v, mask, out) with a `mask` (tensor shape,
+    view, dtype: see `fits`), for these sizes; `scale` multiplies the scores; `given` places
+    operands in other tensors (default: contiguous [batch, seq, dim] each); `empty_rows_zero`: a
+    row whose every key the mask sets to -inf gives 0 (else NaN).
     Defaults: one warpgroup per block, 64-key tiles, the fastest on every shape timed on an H200
     (BERT 96 x 512 x 64, LLaMA 32 x 512/2048 x 128 causal; 2 warpgroups or 128 keys were 5-20%
     slower: bench/results/h200-2026-11-22-s11-in-flight-and-attention.json)."""
-    if not fits(batch, seq_q, seq_kv, dim, causal, warpgroups, block_n, given):
+    if not fits(batch, seq_q, seq_kv, dim, causal, warpgroups, block_n, given, mask):
         raise ValueError(f"attention kernel does not take batch={batch} seq={seq_q}x{seq_kv} dim={dim} "
                          f"causal={causal} with {warpgroups} warpgroups and {block_n}-key tiles"
                          + (" and these operand views" if given else ""))
@@ -82,6 +97,8 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
     s_mma = f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.f16.f16"
     o_mma = f"wgmma.mma_async.sync.aligned.m64n{dim}k16.f32.f16.f16"
     full = 0xFFFFFFFF
+    masked = mask is not None
+    m_shape, m_at, m_dtype = (mask[0], mask[1].element, mask[2]) if masked else ((1,), None, "float16")
 
     def piece(tx, i):
         """(row, column) of the i-th 16-byte copy of thread tx in a tile `dim` wide."""
@@ -105,12 +122,14 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
 
     @T.prim_func(check_well_formed=False)
     def attention(q_in: T.Buffer(q_shape, "float16"), k_in: T.Buffer(k_shape, "float16"),
-                  v_in: T.Buffer(v_shape, "float16"), out_in: T.Buffer(out_shape, "float16")):
+                  v_in: T.Buffer(v_shape, "float16"), m_in: T.Buffer(m_shape, m_dtype), out_in: T.Buffer(out_shape, "float16")):
         T.func_attr({"tirx.noalias": True})
         q = T.decl_buffer((math.prod(q_shape),), "float16", data=q_in.data)  # flat: indexed through the views
         k = T.decl_buffer((math.prod(k_shape),), "float16", data=k_in.data)
         v = T.decl_buffer((math.prod(v_shape),), "float16", data=v_in.data)
         out = T.decl_buffer((math.prod(out_shape),), "float16", data=out_in.data)
+        if masked:
+            m = T.decl_buffer((math.prod(m_shape),), m_dtype, data=m_in.data)
         bz = T.launch_thread("blockIdx.y", batch)
         bx = T.launch_thread("blockIdx.x", q_tiles)
         tx = T.launch_thread("threadIdx.x", threads)
@@ -173,7 +192,13 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
                 tile_m[h] = T.float32(MASKED)
             for r in T.unroll(s_regs):
                 row, col = T.meta_var(accumulator_position(tx, r))
-                if causal:
+                if masked:  # the mask's value added (log2 units): -inf stays -inf
+                    added = T.meta_var(s_acc[r] * T.float32(scale_log2) + T.Cast("float32", m[m_at(bz, qb * bm + row, j * block_n + col)]) * T.float32(LOG2E))
+                    if causal:  # -inf, not MASKED: a row that the mask leaves no key must stay all -inf
+                        s_acc[r] = T.if_then_else(j * block_n + col > qb * bm + row, T.float32(-math.inf), added)
+                    else:
+                        s_acc[r] = added
+                elif causal:
                     s_acc[r] = T.if_then_else(j * block_n + col > qb * bm + row, T.float32(MASKED), s_acc[r] * T.float32(scale_log2))
                 else:
                     s_acc[r] = s_acc[r] * T.float32(scale_log2)
@@ -207,6 +232,13 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
             row_l[h] = row_l[h] + across_row(row_l[h], 2)
         for r in T.unroll(o_regs):
             row, col = T.meta_var(accumulator_position(tx, r))
-            out[out_at(bz, qb * bm + row, col)] = T.Cast("float16", o_acc[r] / row_l[r // 2 % 2])
+            if empty_rows_zero:  # every key -inf: o and l are 0
+                out[out_at(bz, qb * bm + row, col)] = T.Cast("float16", T.if_then_else(
+                    row_l[r // 2 % 2] > T.float32(0), o_acc[r] / row_l[r // 2 % 2], T.float32(0)))
+            else:
+                out[out_at(bz, qb * bm + row, col)] = T.Cast("float16", o_acc[r] / row_l[r // 2 % 2])
 
-    return attention
+    if masked:
+        return attention
+    q_buf, k_buf, v_buf, _, out_buf = attention.params  # no mask: the parameter goes
+    return tirx.PrimFunc([q_buf, k_buf, v_buf, out_buf], attention.body, attention.ret_type, attention.attrs)

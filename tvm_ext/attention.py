@@ -1,30 +1,20 @@
 """Spelled-out softmax attention becomes one fused kernel (schedules/attention.py) on sm_90a.
 
-PyTorch models (Hugging Face's eager attention, ours in examples/torch_models.py) write attention as
-matmul(q, k^T) -> scale -> [+ mask] -> softmax in float32 -> matmul(., v); imported, that is three
-kernels around a score matrix of batch x heads x seq x seq, and FuseOps cannot join them. This pass
-finds the chain in Relax, before legalization, and replaces it with a call of the fused kernel:
-
-    mm = matmul(q3, kt3, f32) -> astype f16 | reshape ... -> divide/multiply by a scalar constant
-    -> [add a mask] -> astype f32 -> softmax(-1) -> astype f16 | reshape | broadcast_to ...
-    -> matmul(p3, v3, f32) -> astype f16 (the value replaced)
-
-Every value inside the chain must have no other use. A mask is accepted when it is built from
-constants only and evaluates (at compile time) to the causal mask: 0 on and below the diagonal,
--inf above; any other mask leaves the chain as it is. The kernel computes the scores in float32 and
-never rounds them to fp16, so it is at least as accurate as the chain it replaces.
-
-The kernel reads q, k and v where their producers wrote them and writes where the consumer reads:
-the reshapes, transposes, slices and broadcasts between (BERT's packed qkv split into heads, k^T,
-the heads merged back into rows) become views (schedules/strided_view.py) instead of copy kernels.
+The chain matmul(q, k^T) -> scale -> [+ mask] -> softmax -> matmul(., v), as PyTorch's eager code
+and TVM's import of `scaled_dot_product_attention` spell it, is replaced by a call of the kernel,
+which reads q, k, v (GQA heads too) and writes its output through views. Constant masks are
+evaluated (causal: tiles skipped; all zeros: dropped); any other mask of -inf or finite values the
+kernel adds itself. docs/attention.md says what is matched and why the result is exact.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.ir.expr import GenericConst  # relax constants in 0.27
 from tvm.runtime.vm import VirtualMachine
@@ -43,6 +33,9 @@ PASSING = ("relax.astype", "relax.reshape", "relax.broadcast_to")  # ops that ca
 VIEWS = ("relax.reshape", "relax.permute_dims", "relax.strided_slice", "relax.squeeze", "relax.expand_dims",
          "relax.broadcast_to")  # ops that only move elements: a view of their input
 MERGES = ("relax.reshape", "relax.permute_dims")  # views that map one to one, so they can be inverted
+SCALINGS = ("relax.multiply", "relax.divide")
+FLOATS = ("float16", "float32")
+MASKED_FILL = -1.0e4  # a finite mask value at or below this counts as masked (see the module docstring)
 OPAQUE = 8  # relax's OpPatternKind kOpaque: FuseOps never fuses it with its neighbours
 
 
@@ -50,11 +43,27 @@ def _dtype(expr) -> str:
     return str(expr.ty.dtype)
 
 
-def _upstream(chain: Bindings, var):
-    """From `var`, up through single-use astype/reshape/broadcast_to bindings to where the scores
-    were last changed."""
-    while op_name(chain.producer(var)) in PASSING and chain.only_use(var):
-        var = chain.producer(var).args[0]
+def _carries(chain: Bindings, var) -> bool:
+    """Whether `var` is its input's scores unchanged: a float cast, a reshape that keeps the last
+    axis (so each row stays a row, in order), a broadcast_to that changes no shape."""
+    call = chain.producer(var)
+    if op_name(call) not in PASSING:
+        return False
+    before, after = static_shape(call.args[0]), static_shape(var)
+    if before is None or after is None:
+        return False
+    if op_name(call) == "relax.astype":
+        return _dtype(call.args[0]) in FLOATS and _dtype(var) in FLOATS
+    if op_name(call) == "relax.broadcast_to":
+        return before == after
+    return len(before) > 0 and len(after) > 0 and before[-1] == after[-1]
+
+
+def _upstream(chain: Bindings, var, uses: int = 1):
+    """From `var` (used `uses` times), up through single-use casts, reshapes and broadcasts that
+    carry the scores unchanged, to where they were last changed."""
+    while chain.uses.get(var, 0) == uses and _carries(chain, var):
+        var, uses = chain.producer(var).args[0], 1
     return var
 
 
@@ -64,92 +73,281 @@ def _scalar(expr) -> float | None:
     return None
 
 
-def _is_causal(chain: Bindings, mask, rows: int, cols: int) -> bool:
-    """Whether `mask`, computed from constants only, is 0 at and below the diagonal, -inf above."""
-    bindings, todo, seen = [], [mask], set()
-    while todo:
-        var = todo.pop()
-        if not isinstance(var, relax.Var) or var in seen:
-            continue
-        value = chain.producer(var)
-        if value is None:  # a function parameter: not a constant mask
-            return False
-        seen.add(var)
-        bindings.append(relax.VarBinding(var, value))
-        todo += list(relax.analysis.free_vars(value))
-    order = {var: i for i, var in enumerate(chain.value)}
-    bindings.sort(key=lambda b: order[b.var])
-    out = relax.Var("mask", mask.ty)  # what leaves the dataflow block must be a plain Var
-    func = relax.Function([], relax.SeqExpr([relax.DataflowBlock(bindings + [relax.VarBinding(out, mask)])], out), mask.ty)
-    mod = relax.transform.LegalizeOps(customize_legalize_map=legalizations())(tvm.IRModule({"main": func}))
-    try:  # FoldConstant leaves `full` (no inputs) alone, so run it: a handful of tiny CPU kernels, built
-        with tvm.transform.PassContext():  # without the caller's options (CUDA graphs have no CPU runtime)
-            values = VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())["main"]().numpy().astype("float32")
-    except Exception as err:  # noqa: BLE001 (a mask that cannot be evaluated only leaves the chain as it is)
-        LOG.debug("attention mask not evaluated (%s): left as it is", err)
-        return False
-    if values.ndim > 2 and all(d == 1 for d in values.shape[:-2]):  # a [1, 1, rows, cols] mask
-        values = values.reshape(values.shape[-2:])
-    if values.ndim > 2:
-        return False
-    values = np.broadcast_to(values, (rows, cols))
+def _scaling(chain: Bindings, var) -> float | None:
+    """The factor when `var` is its input multiplied or divided by a finite nonzero scalar constant."""
+    call = chain.producer(var)
+    if op_name(call) not in SCALINGS or static_shape(call.args[0]) != static_shape(var) or static_shape(var) is None:
+        return None
+    c = _scalar(call.args[1])
+    if c is None or not math.isfinite(c) or c == 0:
+        return None
+    return c if op_name(call) == "relax.multiply" else 1.0 / c
+
+
+def _sdpa_guard(chain: Bindings, probs):
+    """(softmax output, softmax input) when `probs` is what TVM's import of
+    scaled_dot_product_attention puts after its softmax, exactly:
+        where(logical_not(not_equal(max(astype(logical_not(equal(x, -inf)), u8), -1, keepdims), 0)),
+              full_like(softmax(x), 0), softmax(x))
+    i.e. 0 for rows whose scores are all -inf, the softmax elsewhere; else None."""
+    where = chain.producer(probs)
+    if op_name(where) != "relax.where" or not chain.only_use(probs):
+        return None
+    cond, zeros, out = where.args
+    softmax = chain.producer(out)
+    if op_name(softmax) != "relax.nn.softmax":
+        return None
+    fill = chain.producer(zeros)
+    if op_name(fill) == "relax.full_like" and fill.args[0].same_as(out) and _scalar(fill.args[1]) == 0.0 \
+            and chain.only_use(zeros) and static_shape(zeros) == static_shape(out):
+        out_uses = 2  # the where and the full_like
+    elif _scalar(zeros) == 0.0:
+        out_uses = 1
+    else:
+        return None
+    if chain.uses.get(out, 0) != out_uses:
+        return None
+    x, rank = softmax.args[0], len(static_shape(out) or [])
+    steps = (("relax.logical_not", None), ("relax.not_equal", 0.0), ("relax.max", None), ("relax.astype", None),
+             ("relax.logical_not", None), ("relax.equal", -math.inf))
+    var = cond
+    for op, operand in steps:
+        call = chain.producer(var)
+        if op_name(call) != op or not chain.only_use(var):
+            return None
+        if operand is not None and _scalar(call.args[1]) != operand:
+            return None
+        if op == "relax.max" and (call.attrs.axis is None or [int(a) % rank for a in call.attrs.axis] != [rank - 1]
+                                  or not call.attrs.keepdims):
+            return None
+        if op == "relax.astype" and not _dtype(var).startswith(("uint", "int")):
+            return None
+        var = call.args[0]
+    return (out, x) if var.same_as(x) else None
+
+
+class _Masks:
+    """Masks of one function evaluated at compile time; one evaluation per distinct computation."""
+
+    def __init__(self, chain: Bindings):
+        self.chain, self.done = chain, []  # [(function, values or None)]
+
+    def values(self, mask) -> np.ndarray | None:
+        """`mask` as a float32 array when it is computed from constants only, else None."""
+        func = self._function(mask)
+        if func is None:
+            return None
+        for seen, values in self.done:
+            if tvm_ffi.structural_equal(seen, func, map_free_vars=True):
+                return values
+        values = self._evaluate(func)
+        self.done.append((func, values))
+        return values
+
+    def _function(self, mask) -> relax.Function | None:
+        """A function of no parameters computing `mask` from the bindings it needs, or None where
+        one of them is a parameter (the mask depends on the data)."""
+        chain, bindings, todo, seen = self.chain, [], [mask], set()
+        while todo:
+            var = todo.pop()
+            if not isinstance(var, relax.Var) or var in seen:
+                continue
+            value = chain.producer(var)
+            if value is None:  # a function parameter: not a constant mask
+                return None
+            seen.add(var)
+            bindings.append(relax.VarBinding(var, value))
+            todo += list(relax.analysis.free_vars(value))
+        order = {var: i for i, var in enumerate(chain.value)}
+        bindings.sort(key=lambda b: order[b.var])
+        out = relax.Var("mask", mask.ty)  # what leaves the dataflow block must be a plain Var
+        return relax.Function([], relax.SeqExpr([relax.DataflowBlock(bindings + [relax.VarBinding(out, mask)])], out),
+                              mask.ty)
+
+    @staticmethod
+    def _evaluate(func) -> np.ndarray | None:
+        mod = relax.transform.LegalizeOps(customize_legalize_map=legalizations())(tvm.IRModule({"main": func}))
+        try:  # FoldConstant leaves `full` (no inputs) alone, so run it: a handful of tiny CPU kernels, built
+            with tvm.transform.PassContext():  # without the caller's options (CUDA graphs have no CPU runtime)
+                return VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())["main"]().numpy().astype("float32")
+        except Exception as err:  # noqa: BLE001 (a mask that cannot be evaluated only leaves the chain as it is)
+            LOG.debug("attention mask not evaluated (%s): left as it is", err)
+            return None
+
+
+def _mask_kind(masks: _Masks, mask, scores_shape, batch: int, rows: int, cols: int) -> str | None:
+    """"none" for an all-zero constant mask, "causal" for the causal one (see the module docstring),
+    else None. `scores_shape`: the sum's shape, whose rows are the [batch, rows, cols] scores'."""
+    values = masks.values(mask)
+    if values is None:
+        return None
+    try:
+        values = np.broadcast_to(values, scores_shape).reshape(batch, rows, cols)
+    except ValueError:
+        return None
+    zero = values == 0
+    if zero.all():
+        return "none"
+    if rows != cols:
+        return None
     upper = np.triu(np.ones((rows, cols), bool), 1)
-    return bool(np.all(values[~upper] == 0) and np.all(np.isneginf(values[upper])))
+    masked = np.isneginf(values) | (values <= MASKED_FILL)
+    return "causal" if bool(zero[:, ~upper].all() and masked[:, upper].all()) else None
 
 
-def _match(chain: Bindings, final) -> dict | None:
+def _addable(value: float) -> bool:
+    """Whether the kernel adds mask value `value` exactly as the chain does (see schedules/attention.py)."""
+    return value == -math.inf or (math.isfinite(value) and abs(value) <= -attention.MASK_FLOOR)
+
+
+def _mask_values_addable(chain: Bindings, masks: _Masks, mask) -> bool:
+    """Whether every value `mask` can take is one the kernel adds exactly: a constant mask is
+    evaluated; otherwise it must be where(cond, a, b) (the data picks) of scalar constants a and b,
+    maybe cast to another float type."""
+    values = masks.values(mask)
+    if values is not None:
+        return bool(np.all(np.isneginf(values) | (np.isfinite(values) & (np.abs(values) <= -attention.MASK_FLOOR))))
+    var = mask
+    while op_name(chain.producer(var)) == "relax.astype" and _dtype(chain.producer(var).args[0]) in FLOATS:
+        var = chain.producer(var).args[0]
+    where = chain.producer(var)
+    if op_name(where) != "relax.where" or _dtype(var) not in FLOATS:
+        return False
+    branches = [_scalar(chain.producer(x) if isinstance(chain.producer(x), GenericConst) else x) for x in where.args[1:]]
+    return all(x is not None and _addable(x) for x in branches)
+
+
+def _mask_operand(chain: Bindings, masks: _Masks, mask, mask_sum, logical: list[int]) -> tuple | None:
+    """(tensor, view of the [batch, seq_q, seq_kv] mask in it, dtype) for the kernel to add the
+    mask itself (one that depends on the data: padding), or None. The view repeats a mask
+    broadcast over heads (or queries) with stride 0; casts float16 -> float32 and layout ops before
+    the mask are looked through."""
+    if static_shape(mask) is None or not _mask_values_addable(chain, masks, mask):
+        return None
+    for source, view, _ in reversed(_views_of(chain, mask, scaled=False, dtypes=attention.MASK_DTYPES)):
+        view = view.broadcast(mask_sum)
+        view = view and view.reshape(logical)
+        if view is not None:
+            return source, view, _dtype(source)
+    return None
+
+
+def _causal_within(chain: Bindings, masks: _Masks, mask, mask_sum, logical: list[int]) -> bool:
+    """Whether a mask the kernel adds is also causal: [astype](where(cond, a, -inf)) with cond =
+    [broadcast_to](bitwise_and(x, y)) where x or y is a constant that is the causal pattern (True
+    on and below the diagonal, False above): above the diagonal the mask is -inf whatever the data,
+    so the kernel may skip those key tiles (LLaMA's causal-and-padding mask with SDPA). Not with a
+    finite fill (eager's finfo.min): a row whose every key is masked then takes the softmax over
+    all keys, the ones above the diagonal too."""
+    rows, cols = logical[1:]
+    var = mask
+    while op_name(chain.producer(var)) == "relax.astype" and _dtype(chain.producer(var).args[0]) in FLOATS:
+        var = chain.producer(var).args[0]
+    where = chain.producer(var)
+    if op_name(where) != "relax.where" or rows != cols:
+        return False
+    fill = where.args[2]
+    fill = _scalar(chain.producer(fill) if isinstance(chain.producer(fill), GenericConst) else fill)
+    if fill != -math.inf:
+        return False
+    cond = where.args[0]
+    while op_name(chain.producer(cond)) == "relax.broadcast_to":
+        cond = chain.producer(cond).args[0]
+    both = chain.producer(cond)
+    if op_name(both) not in ("relax.bitwise_and", "relax.logical_and") or _dtype(cond) != "bool":
+        return False
+    lower = np.tril(np.ones((rows, cols), bool))
+    for side in both.args:
+        values = masks.values(side) if isinstance(side, relax.Var) else None
+        if values is None:
+            continue
+        try:
+            values = np.broadcast_to(values, mask_sum).reshape(logical)
+        except ValueError:
+            continue
+        if bool(np.all(values == lower)):
+            return True
+    return False
+
+
+def _match(chain: Bindings, final, masks: _Masks) -> dict | None:
     """The attention chain ending in the astype-to-fp16 `final`, or None."""
     value = chain.value[final]
     if op_name(value) != "relax.astype" or _dtype(value) != "float16":
         return None
-    pv = chain.producer(value.args[0])
-    if op_name(pv) != "relax.matmul" or not chain.only_use(value.args[0]):
+    out3 = value.args[0]  # the P V product, maybe reshaped
+    while op_name(chain.producer(out3)) == "relax.reshape" and chain.only_use(out3):
+        out3 = chain.producer(out3).args[0]
+    pv = chain.producer(out3)
+    if op_name(pv) != "relax.matmul" or not chain.only_use(out3):
         return None
     p3, v3 = pv.args
-    softmax_out = _upstream(chain, p3)
+    probs = _upstream(chain, p3)
+    guard = _sdpa_guard(chain, probs)
+    softmax_out = guard[0] if guard else probs
     softmax = chain.producer(softmax_out)
-    if op_name(softmax) != "relax.nn.softmax" or not chain.only_use(softmax_out) \
+    if op_name(softmax) != "relax.nn.softmax" or (guard is None and not chain.only_use(softmax_out)) \
             or int(softmax.attrs.axis) not in (-1, len(static_shape(softmax_out) or []) - 1):
         return None
-    scores = _upstream(chain, softmax.args[0])
-    mask, causal = None, False
-    if op_name(chain.producer(scores)) == "relax.add" and chain.only_use(scores):
-        lhs, mask = chain.producer(scores).args
-        scores = _upstream(chain, lhs)
-    scaling = chain.producer(scores)
-    if op_name(scaling) not in ("relax.divide", "relax.multiply") or not chain.only_use(scores) \
-            or _scalar(scaling.args[1]) is None:
-        return None
-    scale = _scalar(scaling.args[1])
-    scale = 1.0 / scale if op_name(scaling) == "relax.divide" else scale
-    mm_out = _upstream(chain, scaling.args[0])
-    qk = chain.producer(mm_out)
-    if op_name(qk) != "relax.matmul" or not chain.only_use(mm_out):
+    x = softmax.args[0]
+    x_uses = 2 if guard else 1  # the guard's equal(x, -inf) reads the softmax's input too
+    scores = _upstream(chain, x, x_uses)
+    uses = x_uses if scores.same_as(x) else 1
+    mask = None
+    if op_name(chain.producer(scores)) == "relax.add" and chain.uses.get(scores, 0) == uses:
+        a, b = chain.producer(scores).args
+        for lhs, other in ((a, b), (b, a)):  # the scores' side leads to the matmul, maybe scaled
+            up = _upstream(chain, lhs)
+            if static_shape(lhs) == static_shape(scores) and \
+                    (_scaling(chain, up) is not None or op_name(chain.producer(up)) == "relax.matmul"):
+                mask, mask_sum, scores, uses = other, static_shape(scores), up, 1
+                break
+        else:
+            return None
+    scale = 1.0
+    if (factor := _scaling(chain, scores)) is not None and chain.uses.get(scores, 0) == uses:
+        scale = factor
+        scores, uses = _upstream(chain, chain.producer(scores).args[0]), 1
+    qk = chain.producer(scores)
+    if op_name(qk) != "relax.matmul" or chain.uses.get(scores, 0) != uses:
         return None
     q3, kt3 = qk.args
-    shapes = [static_shape(x) for x in (q3, kt3, v3, final)]
-    if any(s is None or len(s) != 3 for s in shapes) or any(_dtype(x) != "float16" for x in (q3, kt3, v3)):
+    shapes = [static_shape(x) for x in (q3, kt3, v3, p3, out3, final)]
+    if any(s is None for s in shapes) or any(len(s) != 3 for s in shapes[:5]) \
+            or any(_dtype(x) not in FLOATS for x in (q3, kt3, v3)):
         return None
     (batch, seq_q, dim), (_, _, seq_kv) = shapes[0], shapes[1]
-    if shapes[1] != [batch, dim, seq_kv] or shapes[2] != [batch, seq_kv, dim] or shapes[3] != [batch, seq_q, dim]:
+    if shapes[1] != [batch, dim, seq_kv] or shapes[2] != [batch, seq_kv, dim] or shapes[3] != [batch, seq_q, seq_kv] \
+            or shapes[4] != [batch, seq_q, dim] or math.prod(shapes[5]) != batch * seq_q * dim:
         return None
+    causal, added = False, None
     if mask is not None:
-        causal = _is_causal(chain, mask, seq_q, seq_kv)
-        if not causal:
-            LOG.debug("attention with a mask that is not causal: left as it is")
-            return None
-    sources = {"q": _readable(_views_of(chain, q3)), "v": _readable(_views_of(chain, v3)),
-               "k": _readable([(x, view.permute([0, 2, 1])) for x, view in _views_of(chain, kt3)]),
-               "out": _destination(chain, final)}
-    if sources["q"] is None or sources["v"] is None:  # rows the 16-byte copies cannot read
+        kind = _mask_kind(masks, mask, mask_sum, batch, seq_q, seq_kv)
+        if kind is None:  # not a constant causal or zero mask: the kernel adds it, where it can
+            added = _mask_operand(chain, masks, mask, mask_sum, [batch, seq_q, seq_kv])
+            if added is None:
+                LOG.debug("attention with a mask the kernel cannot add: left as it is")
+                return None
+        causal = kind == "causal" or (added is not None and _causal_within(chain, masks, mask, mask_sum,
+                                                                             [batch, seq_q, seq_kv]))
+    q, k, v = (_readable(_views_of(chain, q3, scaled=True)), _readable(_views_of(chain, kt3, scaled=True), transpose=True),
+               _readable(_views_of(chain, v3, scaled=False)))
+    if q is None or v is None:  # rows the 16-byte copies cannot read, or no float16 tensor to read
         return None
-    if sources["k"] is None:  # k^T computed, not a view of k: transpose it into a contiguous K
-        sources["k"] = (relax.op.permute_dims(kt3, [0, 2, 1]), StridedView.contiguous([batch, seq_kv, dim]))
+    if k is None:  # k^T computed, not a view of k: transpose it into a contiguous K
+        if _dtype(kt3) != "float16":
+            return None
+        k = (relax.op.permute_dims(kt3, [0, 2, 1]), StridedView.contiguous([batch, seq_kv, dim]), 1.0)
+    out = _destination(chain, final, [batch, seq_q, dim])
+    sources = {"q": q[:2], "k": k[:2], "v": v[:2], "out": out}
+    scale *= q[2] * k[2]
     given = {name: (view.shape if isinstance(x, relax.Call) else tuple(static_shape(x)), view)
              for name, (x, view) in sources.items()}
-    if not attention.fits(batch, seq_q, seq_kv, dim, causal, given=given):
+    mask_given = None if added is None else (tuple(static_shape(added[0])), added[1], added[2])
+    if not attention.fits(batch, seq_q, seq_kv, dim, causal, given=given, mask=mask_given):
         return None
-    return {"sources": sources, "given": given, "sizes": (batch, seq_q, seq_kv, dim), "scale": scale, "causal": causal}
+    return {"sources": sources, "given": given, "sizes": (batch, seq_q, seq_kv, dim), "scale": scale, "causal": causal,
+            "mask": None if added is None else (added[0], mask_given), "empty_rows_zero": added is not None and guard is not None}
 
 
 def _permutation(call: relax.Call, rank: int) -> list[int]:
@@ -179,31 +377,53 @@ def _view_after(call: relax.Call, out_shape: list[int], view: StridedView) -> St
     return view
 
 
-def _views_of(chain: Bindings, var) -> list[tuple]:
-    """(tensor, view of `var` in it) for `var` itself and for each tensor it was reshaped,
-    transposed, sliced or broadcast from, nearest first; those no view can describe are left out."""
-    path = [var]
-    while op_name(chain.producer(path[-1])) in VIEWS and static_shape(chain.producer(path[-1]).args[0]) is not None:
-        path.append(chain.producer(path[-1]).args[0])
+def _step_up(chain: Bindings, var, scaled: bool) -> tuple | None:
+    """(input, factor) where `var` is its input moved (a view), cast float16 -> float32 (exactly),
+    or, when `scaled`, multiplied by `factor`; else None."""
+    call = chain.producer(var)
+    op = op_name(call)
+    if op in VIEWS and static_shape(call.args[0]) is not None:
+        return call.args[0], 1.0
+    if op == "relax.astype" and _dtype(var) == "float32" and _dtype(call.args[0]) == "float16":
+        return call.args[0], 1.0
+    if scaled and (factor := _scaling(chain, var)) is not None:
+        return call.args[0], factor
+    return None
+
+
+def _views_of(chain: Bindings, var, scaled: bool, dtypes=("float16",)) -> list[tuple]:
+    """(float16 tensor, view of `var` in it, factor) for `var` itself and each float16 tensor it was
+    reshaped, transposed, sliced, broadcast, cast or (`scaled`) multiplied by a scalar from, nearest
+    first: `var` = factor x the view's elements. Those no view can describe are left out."""
+    path, factors = [var], [1.0]
+    while (step := _step_up(chain, path[-1], scaled)) is not None:
+        path.append(step[0])
+        factors.append(factors[-1] * step[1])
     found = []
     for i, source in enumerate(path):
+        if _dtype(source) not in dtypes:
+            continue
         view = StridedView.contiguous(static_shape(source))
         for x in reversed(path[:i]):
-            view = view and _view_after(chain.producer(x), static_shape(x), view)
+            if op_name(chain.producer(x)) in VIEWS:
+                view = view and _view_after(chain.producer(x), static_shape(x), view)
         if view is not None:
-            found.append((source, view))
+            found.append((source, view, factors[i]))
     return found
 
 
-def _readable(views: list[tuple]) -> tuple | None:
-    """The furthest-back (tensor, view) that the kernel's 16-byte row copies can read, or None."""
-    usable = [(x, view) for x, view in views if view.unit_stride_rows(-1, attention.COPY_ELEMS)]
+def _readable(views: list[tuple], transpose: bool = False) -> tuple | None:
+    """The furthest-back (tensor, view, factor) that the kernel's 16-byte row copies can read (the
+    view transposed in its last two axes first: k from k^T), or None."""
+    views = [(x, view.permute([0, 2, 1]) if transpose else view, f) for x, view, f in views]
+    usable = [found for found in views if found[1].unit_stride_rows(-1, attention.COPY_ELEMS)]
     return usable[-1] if usable else None
 
 
-def _destination(chain: Bindings, final) -> tuple:
-    """(tensor, view of `final` in it): the furthest tensor that `final` is only reshaped and
-    transposed into (the heads merged back into rows), where the kernel can write directly."""
+def _destination(chain: Bindings, final, logical: list[int]) -> tuple:
+    """(tensor, view of the [batch, seq, dim] output in it): the furthest tensor that `final` is
+    only reshaped and transposed into (the heads merged back into rows), where the kernel can
+    write directly; `final` itself where no view describes that."""
     path = [final]
     while op_name(chain.value.get(chain.sole_user(path[-1]))) in MERGES and static_shape(chain.sole_user(path[-1])) is not None:
         path.append(chain.sole_user(path[-1]))
@@ -215,7 +435,10 @@ def _destination(chain: Bindings, final) -> tuple:
         else:
             view = view.permute(np.argsort(_permutation(call, len(view.axes))))
         if view is None:
-            return final, StridedView.contiguous(static_shape(final))
+            break
+    view = view and view.reshape(logical)
+    if view is None:
+        return final, StridedView.contiguous(static_shape(final)).reshape(logical)
     return path[-1], view
 
 
@@ -231,11 +454,15 @@ class _Rewriter(relax.PyExprMutator):
             super().visit_var_binding_(binding)
             return
         batch, seq_q, seq_kv, dim = found["sizes"]
-        kernel = attention.kernel(batch, seq_q, seq_kv, dim, found["scale"], found["causal"], given=found["given"])
+        mask = found["mask"]
+        kernel = attention.kernel(batch, seq_q, seq_kv, dim, found["scale"], found["causal"], given=found["given"],
+                                  **({} if mask is None else {"mask": mask[1], "empty_rows_zero": found["empty_rows_zero"]}))
         kernel = kernel.without_attr("global_symbol")  # named after its GlobalVar: two attention shapes, two names
         gv = self.builder_.add_func(kernel.with_attrs({"op_pattern": OPAQUE, "tirx.is_scheduled": True}), "fused_attention")
         inputs = [self.visit_expr(found["sources"][name][0]) for name in ("q", "k", "v")]
         inputs = [self.builder_.emit(x) if isinstance(x, relax.Call) else x for x in inputs]  # K transposed
+        if mask is not None:
+            inputs.append(self.visit_expr(mask[0]))
         call = relax.call_tir(gv, inputs, relax.TensorType(found["given"]["out"][0], "float16"))
         self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
 
@@ -251,7 +478,9 @@ def fuse_attention(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         if not isinstance(func, relax.Function):
             continue
         chain = Bindings(func)
-        matches = {found["sources"]["out"][0]: found for var in chain.value if (found := _match(chain, var)) is not None}
+        masks = _Masks(chain)
+        matches = {found["sources"]["out"][0]: found for var in chain.value
+                   if (found := _match(chain, var, masks)) is not None}
         if not matches:
             continue
         rewriter = _Rewriter(rewritten, matches)
