@@ -113,8 +113,6 @@ def test_cuda_builds_without_fallback_and_no_more_kernels_than_tvm(name, arch, d
     assert len(ours) <= len(default), (ours, default)
 
 
-@pytest.mark.xfail(strict=True, reason="TVM 0.27's legalization of a strided_slice over the symbolic length (axis -1) "
-                   "fails: 'axis < src_tensor_dim (-1 vs. 2)'")
 @pytest.mark.parametrize("name", DECODERS)
 def test_decoders_build_once_for_every_length(name):
     module, inputs = _model(name, "float32")
