@@ -73,6 +73,17 @@ def _scalar(expr) -> float | None:
     return None
 
 
+def _constant(chain: Bindings, x) -> float | None:
+    """The value of `x` when it is a scalar constant, bound to one, or `full` of one into a 0-d shape
+    (transformers 5.24 fills its eager masks' zeros so)."""
+    producer = chain.producer(x)
+    if isinstance(producer, GenericConst):
+        return _scalar(producer)
+    if op_name(producer) == "relax.full" and static_shape(producer) == []:
+        return _scalar(producer.args[1])
+    return _scalar(x)
+
+
 def _scaling(chain: Bindings, var) -> float | None:
     """The factor when `var` is its input multiplied or divided by a finite nonzero scalar constant."""
     call = chain.producer(var)
@@ -213,7 +224,7 @@ def _mask_values_addable(chain: Bindings, masks: _Masks, mask) -> bool:
     where = chain.producer(var)
     if op_name(where) != "relax.where" or _dtype(var) not in FLOATS:
         return False
-    branches = [_scalar(chain.producer(x) if isinstance(chain.producer(x), GenericConst) else x) for x in where.args[1:]]
+    branches = [_constant(chain, x) for x in where.args[1:]]
     return all(x is not None and _addable(x) for x in branches)
 
 
@@ -246,9 +257,7 @@ def _causal_within(chain: Bindings, masks: _Masks, mask, mask_sum, logical: list
     where = chain.producer(var)
     if op_name(where) != "relax.where" or rows != cols:
         return False
-    fill = where.args[2]
-    fill = _scalar(chain.producer(fill) if isinstance(chain.producer(fill), GenericConst) else fill)
-    if fill != -math.inf:
+    if _constant(chain, where.args[2]) != -math.inf:
         return False
     cond = where.args[0]
     while op_name(chain.producer(cond)) == "relax.broadcast_to":
