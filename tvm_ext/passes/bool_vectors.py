@@ -15,7 +15,6 @@ transformers decoder and encoder with SDPA). The late-phase pass below rewrites 
 
 from __future__ import annotations
 
-import tvm
 import tvm_ffi
 from tvm import tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
@@ -50,12 +49,8 @@ def bool_loads_as_bytes(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return func.with_body(tvm_ffi.structural_map(func.body, (tirx.For, rewrite)))
 
 
-@tvm.transform.module_pass(opt_level=0, name="TVMExtBoolLoadsAsBytes")
-def bool_loads_as_bytes_pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    for gv, func in list(mod.functions_items()):
-        if isinstance(func, tirx.PrimFunc):
-            mod.update_func(gv, bool_loads_as_bytes(func))
-    return mod
+bool_loads_as_bytes_pass = tirx.transform.prim_func_pass(lambda func, _mod, _ctx: bool_loads_as_bytes(func),
+                                                         opt_level=0, name="TVMExtBoolLoadsAsBytes")
 
 
 def uniform_selects_as_branches(func: tirx.PrimFunc) -> tirx.PrimFunc:
@@ -68,9 +63,5 @@ def uniform_selects_as_branches(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return func.with_body(tvm_ffi.structural_map(func.body, (tirx.Select, rewrite)))
 
 
-@tvm.transform.module_pass(opt_level=0, name="TVMExtUniformSelectsAsBranches")
-def uniform_selects_as_branches_pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    for gv, func in list(mod.functions_items()):
-        if isinstance(func, tirx.PrimFunc):
-            mod.update_func(gv, uniform_selects_as_branches(func))
-    return mod
+uniform_selects_as_branches_pass = tirx.transform.prim_func_pass(
+    lambda func, _mod, _ctx: uniform_selects_as_branches(func), opt_level=0, name="TVMExtUniformSelectsAsBranches")
