@@ -199,7 +199,7 @@ def stage_bytes(block_m: int, block_n: int) -> int:
 # s11-*.json); else two blocks per SM, which beat one with more stages on every LLaMA and BERT shape
 # of -matmul-models.* and in the whole layers (-e2e-s11-kt-transposed.md: one block per SM made
 # LLaMA-512's 512 x 4096 projections 1.65x slower).
-# With TMA (from session 14) the tiles alone on their SM gained 4-27% (-s14-tma.json), and 64 x 256
+# With TMA the tiles alone on their SM gained 4-27% (-s14-tma.json), and 64 x 256
 # ones came first on a wave of blocks over a long K: LLaMA-512's 512 x 4096 x 11008 586 TFLOP/s
 # against 462 for 64 x 128 two per SM, its 512 x 4096 x 4096 453 against 400, BERT-512's 4096 x 768
 # x 3072 39.6 us against 42.4 in 128 x 128 tiles two per SM (-e2e-s14 against -e2e-s13). Over K =

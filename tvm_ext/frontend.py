@@ -33,13 +33,16 @@ def _arguments(node, importer=None) -> dict:
     return named
 
 
+def _cast(bb: relax.BlockBuilder, x, dtype: str):
+    """`x` in `dtype`: itself when it already is, else a cast the block builder emits."""
+    return x if str(x.ty.dtype) == dtype else bb.emit(relax.op.astype(x, dtype))
+
+
 def _rounded(importer, dtype: str, product, bias):
     """A float32 product (PyTorch accumulates matmuls and convs in float32 too) rounded to the inputs'
     dtype, then the bias in that dtype. `product`: an expression, or a value the importer emitted."""
     bb = importer.block_builder
-    out = product if isinstance(product, relax.Var) else bb.emit(product)
-    if dtype != "float32":
-        out = bb.emit(relax.op.astype(out, dtype))
+    out = _cast(bb, product if isinstance(product, relax.Var) else bb.emit(product), dtype)
     return out if bias is None else bb.emit(relax.op.add(out, bias))
 
 
@@ -122,9 +125,7 @@ def _cumulative(op):
             dtype = importer._convert_data_type(args["dtype"])
         elif dtype == "bool" or dtype.startswith(("int", "uint")):
             dtype = "int64"
-        if dtype != str(x.ty.dtype):
-            x = importer.block_builder.emit(relax.op.astype(x, dtype))
-        return importer.block_builder.emit(op(x, args["dim"]))
+        return importer.block_builder.emit(op(_cast(importer.block_builder, x, dtype), args["dim"]))
     return convert
 
 
@@ -169,14 +170,10 @@ def _clamp_tensor(node, importer):
     args = _arguments(node, importer)
     bb = importer.block_builder
     dtype = importer._convert_data_type(node.meta["val"].dtype)
-
-    def as_result(x):
-        return x if str(x.ty.dtype) == dtype else bb.emit(relax.op.astype(x, dtype))
-
-    out = as_result(args["self"])
+    out = _cast(bb, args["self"], dtype)
     for bound, op in ((args["min"], relax.op.maximum), (args["max"], relax.op.minimum)):
         if bound is not None:
-            out = bb.emit(op(out, as_result(bound)))
+            out = bb.emit(op(out, _cast(bb, bound, dtype)))
     return out
 
 
