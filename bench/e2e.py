@@ -6,8 +6,10 @@
 Each model of `examples/torch_models.py` is imported with `tvm_ext.from_torch`, built with the
 tvm_ext pipeline (tuned when --database is given) and with TVM's default pipeline (dlight rules;
 given only our fix for relax.full, which it cannot legalize),
-and timed with torch eager and torch.compile in this one process on the same input (medians of
-`triton.testing.do_bench`, L2 flushed). `ours_serial_launch` is our build without programmatic
+and timed with torch eager and torch.compile (default mode and CUDA graphs) in this one process on the
+same input (medians of `triton.testing.do_bench`, L2 flushed); "vs torch.compile" is against the faster
+of its two modes. Device time (torch.profiler, kernels back to back) is given beside wall time for ours
+and torch.compile: on small models torch.compile's wall time is its host's enqueueing. `ours_serial_launch` is our build without programmatic
 dependent launch (tvm_ext/passes/dependent_launch.py): each kernel waits for the one before it to
 retire. Outputs are checked against eager. Per kernel of ours (torch.profiler, on the serial-launch
 build: with dependent launch a kernel's span includes its wait for the one before): time and, for
@@ -40,6 +42,7 @@ from search.measure import task_bytes
 from search.tasks import extract_tasks
 
 REPEATS = 5  # profiled calls per model
+DEVICE_TIMED = ("ours_serial_launch", "torch_compile")  # device time as well as wall time (serial: kernels' own spans)
 
 
 def kernel_breakdown(fn, mod, target, args) -> list[dict]:
@@ -47,23 +50,32 @@ def kernel_breakdown(fn, mod, target, args) -> list[dict]:
     process; TVM's VM has no profiler in 0.27), with GB/s for the fused reduce ones (bytes of their
     parameters). A kernel of function F is named F_kernel (F_kernel_1, ... for several)."""
     reduce_bytes = {t.name: task_bytes(t.func) for t in extract_tasks(mod, target) if is_reduce_subgraph(t.func)}
-    fn(*args)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(REPEATS):
-            fn(*args)
-        torch.cuda.synchronize()
     rows = []
-    for event in prof.key_averages():
-        us = getattr(event, "device_time", None) or getattr(event, "cuda_time", 0.0)  # mean per call
-        if not us:
-            continue
+    for event, us in _device_events(fn, args):
         row = {"kernel": event.key, "us": us, "calls": event.count / REPEATS}
         func = event.key.split("_kernel")[0]
         if func in reduce_bytes:
             row["gbps"] = reduce_bytes[func] / us / 1e3
         rows.append(row)
     return sorted(rows, key=lambda r: -r["us"] * r["calls"])
+
+
+def _device_events(fn, args) -> list:
+    """(event, mean device us per occurrence) for each kernel or copy that REPEATS calls of fn run."""
+    fn(*args)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPEATS):
+            fn(*args)
+        torch.cuda.synchronize()
+    events = ((e, getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)) for e in prof.key_averages())
+    return [(e, us) for e, us in events if us]
+
+
+def device_us(fn, args) -> float:
+    """Device time of one call of fn, kernels back to back: what it costs once the host keeps up (the
+    wall time of torch.compile's default mode on small models is the host's enqueueing)."""
+    return sum(us * e.count for e, us in _device_events(fn, args)) / REPEATS
 
 
 def build_serial_launch(mod, target, **options):
@@ -106,11 +118,13 @@ def run_module(name: str, module, inputs: tuple, database: str | None, log, brea
             ours["ours_mma_sync"] = lambda: tvm_ext.build(mod, plain, database=database)
         for impl, build in {**ours,
                             "tvm_default": lambda: tvm.compile(with_full_legalized(mod), target=plain),
-                            "torch_compile": lambda: torch.compile(module, dynamic=False)}.items():
+                            "torch_compile": lambda: torch.compile(module, dynamic=False),
+                            "torch_compile_cudagraphs": lambda: torch.compile(module, dynamic=False,
+                                                                              mode="reduce-overhead")}.items():
             started = time.perf_counter()
             try:
                 built[impl] = build()
-                impls[impl] = built[impl] if impl == "torch_compile" else tvm_callable(built[impl])
+                impls[impl] = built[impl] if impl.startswith("torch_compile") else tvm_callable(built[impl])
             except Exception as err:  # one failing implementation must not sink the table
                 result["impls"][impl] = {"error": str(err).splitlines()[0][:300]}
             result.setdefault("build_s", {})[impl] = round(time.perf_counter() - started, 1)
@@ -120,6 +134,8 @@ def run_module(name: str, module, inputs: tuple, database: str | None, log, brea
                 out = out[0] if isinstance(out, tuple) and len(out) == 1 else out
                 torch.cuda.synchronize()
                 result["impls"][impl] = {"us": time_us(fn, inputs), "max_abs_err": max_err(out, ref)}
+                if impl in DEVICE_TIMED:
+                    result["impls"][impl]["device_us"] = device_us(fn, inputs)
             except Exception as err:
                 result["impls"][impl] = {"error": str(err).splitlines()[0][:300]}
             log(f"{name} {impl}: {result['impls'][impl]}")
@@ -151,18 +167,23 @@ def run_dynamic(lengths: list[int], database: str | None, log) -> dict:
 
 def markdown(results: list[dict]) -> str:
     lines = ["| model | ours us | ours, serial launch us | ours, mma.sync matmuls us | TVM default us | torch eager us | "
-             "torch.compile us | vs torch.compile | vs TVM default | kernels ours/TVM | ours err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "torch.compile us | torch.compile, CUDA graphs us | device us: ours / torch.compile | vs torch.compile | "
+             "vs TVM default | kernels ours/TVM | ours err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in results if "impls" in r):
-        us = {k: v.get("us") for k, v in r["impls"].items()}
-        cell = lambda k: f"{us[k]:.1f}" if us.get(k) else r["impls"].get(k, {}).get("error", "-")[:40]  # noqa: E731
-        ratio = lambda k: f"{us[k] / us['ours']:.2f}x" if us.get(k) and us.get("ours") else "-"  # noqa: E731
-        kernels = f"{r['impls'].get('ours', {}).get('kernels', '-')}/{r['impls'].get('tvm_default', {}).get('kernels', '-')}"
-        err = r["impls"].get("ours", {}).get("max_abs_err")
+        impls = r["impls"]
+        us = {k: v.get("us") for k, v in impls.items()}
+        cell = lambda k: f"{us[k]:.1f}" if us.get(k) else impls.get(k, {}).get("error", "-")[:40]  # noqa: E731
+        ratio = lambda t: f"{t / us['ours']:.2f}x" if t and us.get("ours") else "-"  # noqa: E731
+        compiled = min((us[k] for k in ("torch_compile", "torch_compile_cudagraphs") if us.get(k)), default=None)
+        device = "/".join(f"{impls[k]['device_us']:.1f}" if "device_us" in impls.get(k, {}) else "-"
+                          for k in ("ours_serial_launch", "torch_compile"))
+        kernels = f"{impls.get('ours', {}).get('kernels', '-')}/{impls.get('tvm_default', {}).get('kernels', '-')}"
+        err = impls.get("ours", {}).get("max_abs_err")
         times = " | ".join(cell(k) for k in ("ours", "ours_serial_launch", "ours_mma_sync", "tvm_default", "torch_eager",
-                                             "torch_compile"))
-        lines.append(f"| {r['model']} | {times} | {ratio('torch_compile')} | {ratio('tvm_default')} | {kernels} | "
-                     f"{'-' if err is None else f'{err:.3g}'} |")
+                                             "torch_compile", "torch_compile_cudagraphs"))
+        lines.append(f"| {r['model']} | {times} | {device} | {ratio(compiled)} | {ratio(us.get('tvm_default'))} | "
+                     f"{kernels} | {'-' if err is None else f'{err:.3g}'} |")
     for r in (r for r in results if "breakdown" in r):
         lines += ["", f"Our kernels in {r['model']} (torch.profiler on the serial-launch build, most time first; GB/s for "
                   "fused reduce kernels):", "",

@@ -1,6 +1,6 @@
 """The model zoo (examples/zoo.py) on this GPU: ours vs TVM's default vs torch eager vs torch.compile.
 
-    python -m bench.zoo --out bench/results/NAME [--models gpt2,llama_mask,...] [--dtype float16] [--attn sdpa]
+    python -m bench.zoo --out bench/results/NAME [--models gpt2,llama_mask,...] [--dtype float16] [--attn sdpa] [--seq 128]
 
 Each model, called as users call it, is imported with `tvm_ext.from_torch` and timed by
 `bench.e2e.run_module` in this one process; a model or implementation that fails gets a row that
@@ -11,6 +11,7 @@ into eager). Writes NAME.json and NAME.md after each model.
 from __future__ import annotations
 
 import argparse
+import inspect
 
 import tvm  # noqa: F401  (import TVM before torch: see the field guide)
 
@@ -25,6 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(ZOO), help=f"comma-separated, of: {', '.join(ZOO)}")
     ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     ap.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="transformers' attention implementation")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length for the text models (default: the zoo's)")
     ap.add_argument("--out", required=True, help="path prefix: writes .json and .md")
     args = ap.parse_args(argv)
     unknown = sorted(set(args.models.split(",")) - set(ZOO))
@@ -33,8 +35,12 @@ def main(argv=None) -> int:
     results = []
     for name in args.models.split(","):
         torch._dynamo.reset()
-        module, inputs = ZOO[name](dtype=args.dtype, **({"attn": args.attn} if name in HAS_ATTN else {}))
-        results.append(run_module(f"{name} {args.dtype} {args.attn if name in HAS_ATTN else ''}".strip(), module,
+        options = {"attn": args.attn} if name in HAS_ATTN else {}
+        if args.seq and "seq" in inspect.signature(ZOO[name]).parameters:
+            options["seq"] = args.seq
+        module, inputs = ZOO[name](dtype=args.dtype, **options)
+        shapes = "x".join(map(str, inputs[0].shape))
+        results.append(run_module(f"{name} {args.dtype} {args.attn if name in HAS_ATTN else ''} {shapes}".strip(), module,
                                   inputs, None, print, breakdown=False))
         save(args.out, results)
     print(markdown(results))

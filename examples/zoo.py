@@ -28,6 +28,7 @@ HIDDEN = 256
 HEADS = 4
 LAYERS = 2
 ATTN = ("sdpa", "eager")
+POSITIONS = 512  # longest sequence the text models take
 
 
 def _dtype(dtype) -> torch.dtype:
@@ -84,7 +85,7 @@ def gpt2(dtype="float32", attn="sdpa", mask=False, batch=2, seq=32):
     """GPT2LMHeadModel -> logits [batch, seq, vocab]; learned positions, LayerNorm, gelu_new, Conv1D."""
     from transformers import GPT2Config, GPT2LMHeadModel  # noqa: PLC0415
 
-    config = GPT2Config(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=128, bos_token_id=VOCAB - 1,
+    config = GPT2Config(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=POSITIONS, bos_token_id=VOCAB - 1,
                         eos_token_id=VOCAB - 1, **_common(attn))
     return _decoder(GPT2LMHeadModel, config, dtype, mask, batch, seq)
 
@@ -94,7 +95,7 @@ def llama(dtype="float32", attn="sdpa", mask=False, batch=2, seq=32):
     from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
 
     config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=688, num_hidden_layers=LAYERS,
-                         num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=128,
+                         num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=POSITIONS,
                          **_common(attn))
     return _decoder(LlamaForCausalLM, config, dtype, mask, batch, seq)
 
@@ -105,7 +106,7 @@ def mistral(dtype="float32", attn="sdpa", mask=False, batch=2, seq=32):
     from transformers import MistralConfig, MistralForCausalLM  # noqa: PLC0415
 
     config = MistralConfig(hidden_size=HIDDEN, intermediate_size=896, num_hidden_layers=LAYERS,
-                           num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=128,
+                           num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=POSITIONS,
                            **_common(attn))
     return _decoder(MistralForCausalLM, config, dtype, mask, batch, seq)
 
@@ -115,7 +116,7 @@ def qwen2(dtype="float32", attn="sdpa", mask=False, batch=2, seq=32):
     from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: PLC0415
 
     config = Qwen2Config(hidden_size=HIDDEN, intermediate_size=688, num_hidden_layers=LAYERS,
-                         num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=128,
+                         num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=POSITIONS,
                          **_common(attn))
     return _decoder(Qwen2ForCausalLM, config, dtype, mask, batch, seq)
 
@@ -125,7 +126,7 @@ def bert(dtype="float32", attn="sdpa", batch=2, seq=32):
     from transformers import BertConfig, BertModel  # noqa: PLC0415
 
     config = BertConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                        intermediate_size=4 * HIDDEN, max_position_embeddings=128, **_common(attn))
+                        intermediate_size=4 * HIDDEN, max_position_embeddings=POSITIONS, **_common(attn))
     return _hf(lambda c: BertModel(c, add_pooling_layer=False), config, dtype, ("input_ids", "attention_mask"),
                (_ids(batch, seq), _padding_mask(batch, seq)))
 
