@@ -137,6 +137,12 @@ def is_reduce_subgraph(func: tirx.PrimFunc) -> bool:
     return bool(blocks) and not any(_is_contraction(b) for b in blocks)
 
 
+def reduces_to_one_value(func: tirx.PrimFunc) -> bool:
+    """Whether every reduction of `func` leaves a single value (a sum or max of the whole tensor)."""
+    blocks = _reduction_blocks(func)
+    return bool(blocks) and all(const_int(r.extent) == 1 for b in blocks for w in b.writes for r in w.region)
+
+
 def _widen_union_reads(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     """Declare whole dimensions where inlining left a read region that is a union (min/max of
     iterators, e.g. Welford's pivot x[r, 0] beside x[r, k]): once loops are split over threads,
@@ -199,17 +205,19 @@ def match(func: tirx.PrimFunc) -> ReducePattern | None:
     if any(info.dom_kind() != kind for info in head):
         return None
     row_kind = "S" * num_spatial
-    if any(not info.is_injective() or info.dom_kind() not in (row_kind, "S" * len(kind)) for info in tail):
+    dom = head[0].dom()
+    one_row = num_spatial == 1 and const_int(dom[0]) == 1  # a whole tensor reduced: its scalar work has no axis
+    row_kinds = (row_kind, "") if one_row else (row_kind,)
+    if any(not info.is_injective() or info.dom_kind() not in (*row_kinds, "S" * len(kind)) for info in tail):
         return None
     *row_outputs, epilogue = tail or [None]
-    element_outputs = [info for info in row_outputs if info.dom_kind() != row_kind]
+    element_outputs = [info for info in row_outputs if info.dom_kind() not in row_kinds]
     if element_outputs and not _share_loops(sch, element_outputs + [epilogue]):
         return None
-    row_outputs = [info for info in row_outputs if info.dom_kind() == row_kind]
+    row_outputs = [info for info in row_outputs if info.dom_kind() in row_kinds]
     layout = _layout_of(sch, head[0])
     if layout is None:
         return None
-    dom = head[0].dom()
     return ReducePattern(
         sch=sch,
         reductions=head,

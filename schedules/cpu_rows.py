@@ -30,6 +30,8 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
     if device.is_gpu:
         return None
     sch = pattern.sch
+    if not pattern.blocks[-1].iters:
+        return None  # a whole tensor reduced to one value: no rows to run in parallel
     if not pattern.merge_outputs():
         return None
     partials = [_split_lanes(sch, info.block_rv, int(knobs.get("lanes", 1))) for info in pattern.row_reductions]

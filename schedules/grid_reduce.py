@@ -47,8 +47,8 @@ def _reduction(pattern: ReducePattern):
     """
     if len(pattern.reductions) != 1 or pattern.num_spatial != 1 or pattern.row_outputs:
         return None
-    if pattern.epilogue is not None and pattern.epilogue.dom_kind() != "S":
-        return None
+    if pattern.epilogue is not None and pattern.epilogue.dom_kind() not in ("S", ""):
+        return None  # "": the one value of a whole-tensor reduction
     block = pattern.sch.get(pattern.reductions[0].block_rv)
     parts = combiner_parts(block)
     return None if parts is None else (block, *parts)
@@ -250,13 +250,13 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
         r, total = stmt.value.args[1], stmt.value.args[2]
         target = epilogue if epilogue is not None else block
         store = target.body
-        row = target.iter_vars[0].var
+        row = {target.iter_vars[0].var: r} if target.iter_vars else {}
         reduced = block.writes[0].source
         result = total if epilogue is None else tvm_ffi.structural_map(
             store.value, (tvm.ir.TensorLoad, lambda e: total if e.source.same_as(reduced) else e))
         return tirx.BufferStore(buffers.get(store.buffer, store.buffer),
-                                map_vars(result, {**buffers, row: r}),
-                                [map_vars(i, {row: r}) for i in store.indices])
+                                map_vars(result, {**buffers, **row}),
+                                [map_vars(i, row) for i in store.indices])
 
     is_value, is_finish = placeholder("gr_value"), placeholder("gr_finish")
     body = tvm_ffi.structural_map(grid.body, [

@@ -91,6 +91,8 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
     rows, width = const_int(pattern.row_count), const_int(pattern.reduce_extent)
     if not device.is_gpu or pattern.layout != ROW or rows is None or width is None or _chain(pattern) is None:
         return None
+    if pattern.epilogue is not None and not pattern.epilogue.iters:
+        return None  # one value out (a whole tensor's mean): no element waits for it, grid_reduce's ticket does
     slots = cooperative_slots(device, THREADS)
     if width < MIN_ROW or rows * 2 > slots:
         return None  # rows enough to fill the GPU one block each: a row-per-block schedule needs no barrier

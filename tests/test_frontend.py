@@ -183,6 +183,14 @@ def test_all_ops_convert_where_export_is_not_decomposed(fn):
     assert torch.equal(got, fn(x))
 
 
+@pytest.mark.parametrize("fn", [lambda x: x.abs().amax(), lambda x: x.amin(), lambda x: x.amax(dim=1, keepdim=True),
+                                lambda x: x.amin(dim=(0, 2))], ids=["amax", "amin", "amax_dim_keepdim", "amin_dims"])
+def test_amax_and_amin_import_over_every_axis_or_the_given_ones(fn):
+    """aten.amax/amin did not import (`x / x.abs().amax()`); with no dim they reduce every axis."""
+    x = torch.linspace(-3, 5, 2 * 3 * 4).reshape(2, 3, 4)[:, torch.tensor([2, 0, 1])]
+    assert_imports_like_pytorch(Lambda(fn), x)
+
+
 def test_t5_overflow_clamp_stays_fp16():
     """T5's fp16 layers clamp with bounds from torch.where(isinf(h).any(), max - 1000, max): float32 0-d
     tensors, which PyTorch's type promotion leaves fp16; TVM's clamp.Tensor mixed the dtypes and failed."""

@@ -144,6 +144,16 @@ def _truth_reduction(reduce):
     return convert
 
 
+def _extremum(reduce):
+    """aten.amax / aten.amin: the max / min over `dim`, every axis when it is empty (PyTorch's default,
+    `x.abs().amax()`); TVM converts neither."""
+    def convert(node, importer):
+        args = _arguments(node, importer)
+        axes = list(args["dim"]) or None
+        return importer.block_builder.emit(reduce(args["self"], axes, keepdims=args["keepdim"]))
+    return convert
+
+
 def _slice(node, importer):
     """aten.slice.Tensor. TVM clamps a symbolic end to the dim's size: BERT's position ids, `ids[:, :seq]`
     of 512, get length min(seq, 512), which no other tensor's shape is, and the build fails ("emit_te now
@@ -185,6 +195,7 @@ CONVERTERS.update({f"{op}.{overload}": _convolution for op, overload in [
     ("convolution", "default"), ("conv1d", "default"), ("conv2d", "default"), ("conv3d", "default"),
     ("conv_transpose1d", "default"), ("conv_transpose2d", "input")]})
 CONVERTERS["_native_batch_norm_legit_no_training.default"] = _batch_norm
+CONVERTERS.update({"amax.default": _extremum(relax.op.max), "amin.default": _extremum(relax.op.min)})
 CONVERTERS.update({f"{name}.{overload}": _truth_reduction(reduce) for name, reduce in [
     ("any", relax.op.max), ("all", relax.op.min)] for overload in ("default", "dim", "dims")})
 

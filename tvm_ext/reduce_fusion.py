@@ -15,7 +15,10 @@ merges FuseOps' groups (and lone kernels) across those edges, CINN-style, around
   attention softmax);
 * it stops at anything else (matmuls, convolutions, layout changes, ops it does not know), which
   keep TVM's own fusion, and never merges two groups when a path between them leaves the group
-  (the merged function would depend on itself).
+  (the merged function would depend on itself);
+* a reduction to one value (`x.abs().amax()`, `isinf(x).any()`) keeps the work on that value but
+  not the work on every element after it, which would wait for the whole tensor: two kernels
+  (`whole_reductions_apart` keeps FuseOps from fusing it so).
 
 A merged group becomes one Relax function marked Primitive; FuseTIR turns it into one PrimFunc,
 which this project's dispatcher schedules like the single-op norms. Values other code still needs
@@ -30,13 +33,14 @@ import tvm
 import tvm_ffi
 from tvm import relax, tirx
 
-from schedules.analysis import is_reduce_subgraph, substitute
+from schedules.analysis import const_int, is_reduce_subgraph, reduces_to_one_value, substitute
 
 
 CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 TOPK = tvm.ir.Op.get("relax.topk")
 ELEMENTWISE = 1  # op_pattern: 0 elementwise, 1 broadcast
 INJECTIVE = 2
+OPAQUE = 8
 
 
 @dataclass
@@ -88,6 +92,17 @@ def kernel_calls(mod: tvm.IRModule, call: relax.Call) -> tuple[list, dict] | Non
     return None
 
 
+@tvm.transform.module_pass(opt_level=0, name="TVMExtWholeReductionsApart")
+def whole_reductions_apart(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Mark kernels that reduce a tensor to one value opaque to FuseOps, which would fuse the work
+    on every element after them into their function, where each thread redoes the whole reduction.
+    FuseReduceGroups gives them back their producers and the work on that one value."""
+    for gv, func in list(mod.functions_items()):
+        if isinstance(func, tirx.PrimFunc) and is_reduce_subgraph(func) and reduces_to_one_value(func):
+            mod.update_func(gv, func.with_attr("op_pattern", OPAQUE))
+    return mod
+
+
 def op_pattern(func: tirx.PrimFunc) -> int | None:
     """The op_pattern AnnotateTIROpPattern gave a PrimFunc, None where it has none."""
     return int(func.attrs["op_pattern"]) if func.attrs and "op_pattern" in func.attrs else None
@@ -117,6 +132,11 @@ def _classify(mod: tvm.IRModule, node: _Node) -> None:
     node.signature = signatures[0] if signatures else None
     node.out_shape = _shape(node.binding.var)
     node.mergeable, node.injective = True, injective
+
+
+def _is_whole(signature) -> bool:
+    """Whether the reductions leave one value (T5's `isinf(x).any()` before its clamp)."""
+    return signature[1] is not None and all(const_int(d) == 1 for d in signature[1])
 
 
 class _Groups:
@@ -178,6 +198,8 @@ class _Groups:
         if sa is not None and sb is not None and (not _same_signature(sa, sb) or _same(sa[0], sa[1])):
             return False  # a whole norm op (rows in, rows out) hides its axes: it takes elementwise work only
         signature = sa or sb
+        if sa is not None and sb is None and _is_whole(sa) and any(_same(n.out_shape, sa[0]) for n in self.members(b)):
+            return False  # every element would wait for a reduction over all of them: no template of ours
         members = self.members(a) + self.members(b)
         if not self._fits(signature, members) or self._detour(a, b) or self._shares_layout_change(members):
             return False
@@ -226,11 +248,6 @@ def _inline(mod, member: _Node, subst: dict, bindings: list) -> None:
     subst[member.binding.var] = subst[result]
 
 
-def _writes_elements(member: _Node) -> bool:
-    """A lone elementwise kernel (cheap to compute twice); not a reduction or a FuseOps group."""
-    return member.signature is None and member.binding.value.op.same_as(CALL_TIR)
-
-
 def _retyped(ty, dims: dict):
     """A tensor type with the symbolic dims of `dims` replaced (other types as they are)."""
     if not dims or not isinstance(ty, relax.TensorType) or ty.shape is None:
@@ -256,12 +273,14 @@ def _group_function(mod, members: list, outputs: list) -> tuple[relax.Function, 
         _inline(mod, m, subst, bindings)
     read_inside = {v for m in members for v in _operands(m.binding.value)}
     for v in outputs:
-        if v in read_inside and _writes_elements(next(m for m in members if m.binding.var.same_as(v))):
-            # also an input of the chain (a residual sum): computed twice, so that the copy the
-            # chain reads inlines into it and the output is written by the last loop nest
-            call = next(b.value for b in bindings if b.var.same_as(subst[v]))
-            subst[v] = relax.DataflowVar(v.name, subst[v].ty)
-            bindings.append(relax.VarBinding(subst[v], call))
+        member = next(m for m in members if m.binding.var.same_as(v))
+        if v in read_inside and member.signature is None:
+            # elementwise work that is also an input of the chain (a residual sum, T5's clamp):
+            # computed twice, so that the copy the chain reads inlines into it and the output is
+            # written by the last loop nest
+            again = dict(subst)
+            _inline(mod, member, again, bindings)
+            subst[v] = again[v]
     results = [subst[v] for v in outputs]
     if len(results) == 1:
         out = relax.Var("gv", results[0].ty)
