@@ -6,10 +6,10 @@
 Each model of `examples/torch_models.py` is imported with `tvm_ext.from_torch`, built with the
 tvm_ext pipeline (tuned when --database is given) and with TVM's default pipeline (dlight rules;
 given only our fix for relax.full, which it cannot legalize),
-and timed with torch eager and torch.compile (default mode and CUDA graphs) in this one process on the
-same input (medians of `triton.testing.do_bench`, L2 flushed); "vs torch.compile" is against the faster
-of its two modes. Device time (torch.profiler, kernels back to back) is given beside wall time for ours
-and torch.compile: on small models torch.compile's wall time is its host's enqueueing. `ours_serial_launch` is our build without programmatic
+and timed with torch eager and torch.compile in this one process on the same input (medians of
+`triton.testing.do_bench`, L2 flushed). Device time (torch.profiler, kernels back to back) is given
+beside wall time for ours and torch.compile: on small models torch.compile's wall time is its
+host's enqueueing. `ours_serial_launch` is our build without programmatic
 dependent launch (tvm_ext/passes/dependent_launch.py): each kernel waits for the one before it to
 retire. Outputs are checked against eager. Per kernel of ours (torch.profiler, on the serial-launch
 build: with dependent launch a kernel's span includes its wait for the one before): time and, for
@@ -118,13 +118,11 @@ def run_module(name: str, module, inputs: tuple, database: str | None, log, brea
             ours["ours_mma_sync"] = lambda: tvm_ext.build(mod, plain, database=database)
         for impl, build in {**ours,
                             "tvm_default": lambda: tvm.compile(with_full_legalized(mod), target=plain),
-                            "torch_compile": lambda: torch.compile(module, dynamic=False),
-                            "torch_compile_cudagraphs": lambda: torch.compile(module, dynamic=False,
-                                                                              mode="reduce-overhead")}.items():
+                            "torch_compile": lambda: torch.compile(module, dynamic=False)}.items():
             started = time.perf_counter()
             try:
                 built[impl] = build()
-                impls[impl] = built[impl] if impl.startswith("torch_compile") else tvm_callable(built[impl])
+                impls[impl] = built[impl] if impl == "torch_compile" else tvm_callable(built[impl])
             except Exception as err:  # one failing implementation must not sink the table
                 result["impls"][impl] = {"error": str(err).splitlines()[0][:300]}
             result.setdefault("build_s", {})[impl] = round(time.perf_counter() - started, 1)
@@ -167,23 +165,23 @@ def run_dynamic(lengths: list[int], database: str | None, log) -> dict:
 
 def markdown(results: list[dict]) -> str:
     lines = ["| model | ours us | ours, serial launch us | ours, mma.sync matmuls us | TVM default us | torch eager us | "
-             "torch.compile us | torch.compile, CUDA graphs us | device us: ours / torch.compile | vs torch.compile | "
+             "torch.compile us | device us: ours / torch.compile | vs torch.compile | vs torch.compile, device | "
              "vs TVM default | kernels ours/TVM | ours err |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in results if "impls" in r):
         impls = r["impls"]
         us = {k: v.get("us") for k, v in impls.items()}
+        device = {k: impls.get(k, {}).get("device_us") for k in DEVICE_TIMED}
         cell = lambda k: f"{us[k]:.1f}" if us.get(k) else impls.get(k, {}).get("error", "-")[:40]  # noqa: E731
-        ratio = lambda t: f"{t / us['ours']:.2f}x" if t and us.get("ours") else "-"  # noqa: E731
-        compiled = min((us[k] for k in ("torch_compile", "torch_compile_cudagraphs") if us.get(k)), default=None)
-        device = "/".join(f"{impls[k]['device_us']:.1f}" if "device_us" in impls.get(k, {}) else "-"
-                          for k in ("ours_serial_launch", "torch_compile"))
+        ratio = lambda theirs, ours: f"{theirs / ours:.2f}x" if theirs and ours else "-"  # noqa: E731
         kernels = f"{impls.get('ours', {}).get('kernels', '-')}/{impls.get('tvm_default', {}).get('kernels', '-')}"
         err = impls.get("ours", {}).get("max_abs_err")
         times = " | ".join(cell(k) for k in ("ours", "ours_serial_launch", "ours_mma_sync", "tvm_default", "torch_eager",
-                                             "torch_compile", "torch_compile_cudagraphs"))
-        lines.append(f"| {r['model']} | {times} | {device} | {ratio(compiled)} | {ratio(us.get('tvm_default'))} | "
-                     f"{kernels} | {'-' if err is None else f'{err:.3g}'} |")
+                                             "torch_compile"))
+        device_cells = "/".join("-" if v is None else f"{v:.1f}" for v in device.values())
+        lines.append(f"| {r['model']} | {times} | {device_cells} | {ratio(us.get('torch_compile'), us.get('ours'))} | "
+                     f"{ratio(device['torch_compile'], device['ours_serial_launch'])} | "
+                     f"{ratio(us.get('tvm_default'), us.get('ours'))} | {kernels} | {'-' if err is None else f'{err:.3g}'} |")
     for r in (r for r in results if "breakdown" in r):
         lines += ["", f"Our kernels in {r['model']} (torch.profiler on the serial-launch build, most time first; GB/s for "
                   "fused reduce kernels):", "",
