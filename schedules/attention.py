@@ -22,7 +22,11 @@ a maximum above the running maximum's start.
 Logically Q [batch, seq, dim], K [batch, seq, dim], V [batch, seq, dim], fp16; output [batch, seq,
 dim] fp16. Each may be a view (schedules/strided_view.py) into a tensor of another shape: the packed
 qkv projection that the model slices q, k and v from, the [b, s, heads * dim] rows the output is
-merged into. Head dims 64 and 128, sequences a multiple of the tiles, static sizes.
+merged into. Head dims 64 and 128, static sizes. A sequence that is not a multiple of the tiles
+(ViT's 65 tokens, a prompt of 100) runs in whole tiles: rows past its end are read clamped to its
+last row (finite values, no out-of-bounds load), their keys get no weight (MASKED, or -inf where a
+mask is added, so that a row the mask empties still comes out empty) and their outputs are not
+stored.
 """
 
 from __future__ import annotations
@@ -58,8 +62,7 @@ def fits(batch: int, seq_q: int, seq_kv: int, dim: int, causal: bool, warpgroups
     """Whether `kernel` takes these sizes and operand views: Q, K and V rows copied 16 bytes at a
     time need unit-stride head dims on 16-byte boundaries; offsets must fit in int32. `mask`:
     (tensor shape, view of the [batch, seq_q, seq_kv] mask in it, dtype)."""
-    if not (dim in HEAD_DIMS and seq_q % (warpgroups * ROWS) == 0 and seq_kv % block_n == 0
-            and batch > 0 and (not causal or seq_q == seq_kv)):
+    if not (dim in HEAD_DIMS and seq_q > 0 and seq_kv > 0 and batch > 0 and (not causal or seq_q == seq_kv)):
         return False
     if mask is not None and (tuple(mask[1].shape) != (batch, seq_q, seq_kv) or mask[2] not in MASK_DTYPES
                              or math.prod(mask[0]) >= 2**31):
@@ -92,13 +95,21 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
     k_base = p_base + p_elems  # then 2 stages of (K tile, V tile)
     stage_elems = 2 * kv_elems
     s_regs, o_regs = block_n // 2, dim // 2
-    q_tiles, kv_tiles = seq_q // bm, seq_kv // block_n
+    q_tiles, kv_tiles = -(-seq_q // bm), -(-seq_kv // block_n)
+    ragged_q, ragged_kv = seq_q % bm != 0, seq_kv % block_n != 0
     scale_log2 = float(scale) * LOG2E
     s_mma = f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.f16.f16"
     o_mma = f"wgmma.mma_async.sync.aligned.m64n{dim}k16.f32.f16.f16"
     full = 0xFFFFFFFF
     masked = mask is not None
     m_shape, m_at, m_dtype = (mask[0], mask[1].element, mask[2]) if masked else ((1,), None, "float16")
+
+    def q_row(qb, row):
+        """Row `row` of query tile qb, clamped to the last row where the tile runs past it."""
+        return T.min(qb * bm + row, seq_q - 1) if ragged_q else qb * bm + row
+
+    def kv_row(tile, row):
+        return T.min(tile * block_n + row, seq_kv - 1) if ragged_kv else tile * block_n + row
 
     def piece(tx, i):
         """(row, column) of the i-th 16-byte copy of thread tx in a tile `dim` wide."""
@@ -109,8 +120,8 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
         K, then of V, into the stage tile % 2."""
         row, col = piece(tx, i)
         stage = k_base + tile % 2 * stage_elems
-        return (stage + swizzled(row, col, block_n), T.address_of(k[k_at(bz, tile * block_n + row, col)]),
-                stage + kv_elems + swizzled(row, col, block_n), T.address_of(v[v_at(bz, tile * block_n + row, col)]))
+        return (stage + swizzled(row, col, block_n), T.address_of(k[k_at(bz, kv_row(tile, row), col)]),
+                stage + kv_elems + swizzled(row, col, block_n), T.address_of(v[v_at(bz, kv_row(tile, row), col)]))
 
     def k_step(kk, rows):
         """Descriptor offset (16-byte units) of the kk-th 16-wide k step of a k-major tile."""
@@ -163,7 +174,7 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
         for i in T.unroll(q_elems // 8 // threads):  # Q, then the first K and V tiles: one group
             row, col = T.meta_var(piece(tx, i))
             T.ptx["cp.async.cg.shared.global"](T.address_of(smem[swizzled(row, col, bm)]),
-                                               T.address_of(q[q_at(bz, qb * bm + row, col)]), 16)
+                                               T.address_of(q[q_at(bz, q_row(qb, row), col)]), 16)
         for i in T.unroll(kv_elems // 8 // threads):
             k_dst, k_src, v_dst, v_src = T.meta_var(kv_copies(k, v, tx, i, 0, bz))
             T.ptx["cp.async.cg.shared.global"](T.address_of(smem[k_dst]), k_src, 16)
@@ -192,14 +203,19 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
                 tile_m[h] = T.float32(MASKED)
             for r in T.unroll(s_regs):
                 row, col = T.meta_var(accumulator_position(tx, r))
+                # causal: the keys past a real row include those past the end of the sequence
                 if masked:  # the mask's value added (log2 units): -inf stays -inf
-                    added = T.meta_var(s_acc[r] * T.float32(scale_log2) + T.Cast("float32", m[m_at(bz, qb * bm + row, j * block_n + col)]) * T.float32(LOG2E))
+                    added = T.meta_var(s_acc[r] * T.float32(scale_log2) + T.Cast("float32", m[m_at(bz, q_row(qb, row), kv_row(j, col))]) * T.float32(LOG2E))
                     if causal:  # -inf, not MASKED: a row that the mask leaves no key must stay all -inf
                         s_acc[r] = T.if_then_else(j * block_n + col > qb * bm + row, T.float32(-math.inf), added)
+                    elif ragged_kv:
+                        s_acc[r] = T.if_then_else(j * block_n + col >= seq_kv, T.float32(-math.inf), added)
                     else:
                         s_acc[r] = added
                 elif causal:
                     s_acc[r] = T.if_then_else(j * block_n + col > qb * bm + row, T.float32(MASKED), s_acc[r] * T.float32(scale_log2))
+                elif ragged_kv:
+                    s_acc[r] = T.if_then_else(j * block_n + col >= seq_kv, T.float32(MASKED), s_acc[r] * T.float32(scale_log2))
                 else:
                     s_acc[r] = s_acc[r] * T.float32(scale_log2)
                 tile_m[r // 2 % 2] = T.max(tile_m[r // 2 % 2], s_acc[r])
@@ -232,11 +248,14 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
             row_l[h] = row_l[h] + across_row(row_l[h], 2)
         for r in T.unroll(o_regs):
             row, col = T.meta_var(accumulator_position(tx, r))
-            if empty_rows_zero:  # every key -inf: o and l are 0
-                out[out_at(bz, qb * bm + row, col)] = T.Cast("float16", T.if_then_else(
-                    row_l[r // 2 % 2] > T.float32(0), o_acc[r] / row_l[r // 2 % 2], T.float32(0)))
+            result = T.meta_var(T.Cast("float16", T.if_then_else(
+                row_l[r // 2 % 2] > T.float32(0), o_acc[r] / row_l[r // 2 % 2], T.float32(0)))
+                if empty_rows_zero else T.Cast("float16", o_acc[r] / row_l[r // 2 % 2]))  # empty: o and l are 0
+            if ragged_q:
+                if qb * bm + row < seq_q:  # rows past the sequence's end are not stored
+                    out[out_at(bz, qb * bm + row, col)] = result
             else:
-                out[out_at(bz, qb * bm + row, col)] = T.Cast("float16", o_acc[r] / row_l[r // 2 % 2])
+                out[out_at(bz, qb * bm + row, col)] = result
 
     if masked:
         return attention

@@ -4,6 +4,10 @@ are built in Relax as `tvm_ext.from_torch` leaves them (CI has no PyTorch); the 
 imported BERT and LLaMA layers run where PyTorch is installed."""
 
 import math
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -74,8 +78,9 @@ def kernel_of(mod):
     return mod[next(gv for gv in mod.get_global_vars() if gv.name_hint == "fused_attention")].script()
 
 
-def test_attention_becomes_one_call_that_reads_k_untransposed():
-    mod = spelled()
+@pytest.mark.parametrize("seq", [64, 48])
+def test_attention_becomes_one_call_that_reads_k_untransposed(seq):
+    mod = spelled(seq=seq)  # 48: not a whole tile of queries or keys, run in whole tiles
     before, after = ops_in(mod), ops_in(fused(mod))
     assert before.count("R.matmul") == 2 and "R.nn.softmax" in before
     assert "R.matmul" not in after and "R.nn.softmax" not in after and calls_of(fused(mod)) == ["fused_attention"]
@@ -113,10 +118,9 @@ def test_a_causal_mask_is_recognised_when_the_build_asks_for_cuda_graphs():
 @pytest.mark.parametrize("module", [
     spelled(mask=np.where(np.eye(64), np.nan, 0).astype("float32")),  # a constant mask with NaN: not added exactly
     spelled(probs_out=True),  # the probabilities are an output too
-    spelled(seq=48),  # 48 queries: not a whole warpgroup tile
     spelled(dim=96),  # a head dim the kernel does not take
     spelled(dim=36),  # rows 72 bytes apart: not on 16-byte boundaries (the pass raised TypeError)
-], ids=["nan-mask", "probs-used", "seq-48", "dim-96", "dim-36"])
+], ids=["nan-mask", "probs-used", "dim-96", "dim-36"])
 def test_chains_it_cannot_replace_are_left_alone(module):
     after = fused(module)
     assert calls_of(after) == [] and "R.nn.softmax" in ops_in(after)
@@ -174,6 +178,25 @@ def test_the_cuda_is_two_warpgroup_mmas_around_an_online_softmax(dim, causal):
     assert src.count("__shfl_xor_sync") == 8  # max and sum over the 4 lanes of a row, 2 rows per thread
     assert "exp2f" in src and "cp.async.cg.shared.global" in src
     assert ("for (int j = 0; j < 2;" in src) != causal  # causal: the key tiles a block walks depend on its rows
+
+
+@pytest.mark.parametrize("batch, seq_q, seq_kv, dim, causal", [(2, 100, 100, 128, True), (3, 65, 200, 64, False)])
+def test_a_sequence_not_a_multiple_of_the_tiles_runs_in_whole_tiles(batch, seq_q, seq_kv, dim, causal):
+    """Rows past the end are read clamped to the last row and not stored; their keys get no weight
+    (a causal walk hides them already). A sequence of whole tiles gets none of it."""
+    ragged = attention.kernel(batch, seq_q, seq_kv, dim, 0.1, causal)
+    text, whole = ragged.script(), attention.kernel(batch, 128, 128, dim, 0.1, causal).script()
+    assert f", {seq_q - 1}) * {dim}" in text and f", {seq_kv - 1}) * {dim}" in text  # Q, then K and V rows clamped
+    assert f") < {seq_q}:" in text  # the store guard
+    assert (f">= {seq_kv}, T.float32" in text) == (not causal)  # keys past the end, where no causal mask hides them
+    assert ", 127) *" not in whole and ") < 128:" not in whole
+    if shutil.which("nvcc"):
+        lib = tvm.compile(tvm.IRModule({"attention": ragged.with_attr("global_symbol", "attention")}), target=SM_90A)
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "k.cu").write_text((lib.mod if hasattr(lib, "mod") else lib).imports[0].inspect_source())
+            done = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-o", str(Path(tmp) / "k.cubin"),
+                                   str(Path(tmp) / "k.cu")], capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
 
 
 # ---- what transformers exports ------------------------------------------------------------------
@@ -362,12 +385,17 @@ def test_sdpa_decomposition_is_fused(recorded, mask, fill, mask_dtype, causal):
     assert k_view.axes[0] == ((2, 2 * 64 * 64), (2, 64 * 64), (2, 0))  # batch, kv head, its 2 query heads
 
 
+def test_sdpa_with_fewer_keys_than_one_tile_is_fused(recorded):
+    mod = sdpa_spelled(mask="causal", seq=32)
+    assert_fused_like_original(mod, recorded, random_inputs(mod), atol=5e-3)
+    assert recorded[0]["causal"] and recorded[0]["operands"]["q"][1].shape[-2:] == (32, 64)
+
+
 @pytest.mark.parametrize("module", [
     sdpa_spelled(mask="additive"),  # a float mask parameter: values the kernel may not add exactly
     sdpa_spelled(mask="param", fill=-3.0e38, mask_dtype="float32"),  # finfo(fp32).min: x LOG2E overflows
     sdpa_spelled(mask="causal", guard="other"),  # after the softmax something else than the guard
-    sdpa_spelled(mask="causal", seq=32),  # fewer keys than one tile
-], ids=["float-mask-parameter", "f32-min-fill-from-data", "not-the-guard", "seq-32"])
+], ids=["float-mask-parameter", "f32-min-fill-from-data", "not-the-guard"])
 def test_sdpa_chains_it_cannot_replace_are_left_alone(module):
     after = fused(module)
     assert calls_of(after) == [] and "R.nn.softmax" in ops_in(after)
@@ -477,12 +505,14 @@ def imported(kind, attn, mask=False, **sizes):
     return tvm_ext.from_torch(module, *inputs), module, inputs
 
 
+@pytest.mark.parametrize("seq", [64, 37])
 @pytest.mark.parametrize("kind, attn", [("llama", "sdpa"), ("llama", "eager"), ("bert", "sdpa"), ("bert", "eager")])
-def test_transformers_attention_is_fused(recorded, kind, attn):
+def test_transformers_attention_is_fused(recorded, kind, attn, seq):
     """LLaMA's causal mask (built from position ids, constants only when called with input_ids:
     -inf with SDPA, finfo(fp16).min eager) and BERT's all-zero mask (no attention_mask) are
-    recognised; the module with the kernels' NumPy stand-ins computes what the original does."""
-    mod, _, inputs = imported(kind, attn)
+    recognised, at any length; the module with the kernels' NumPy stand-ins computes what the
+    original does."""
+    mod, _, inputs = imported(kind, attn, seq=seq)
     after = assert_fused_like_original(mod, recorded, [x.numpy() for x in inputs], atol=5e-3)
     assert [c["causal"] for c in recorded] == [kind == "llama"]
     assert abs(recorded[0]["scale"] - 0.125) < 1e-7
@@ -529,7 +559,8 @@ def reference(torch, q, k, v, scale, causal):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch, seq_q, seq_kv, dim, causal", [
-    (3, 128, 256, 64, False), (2, 192, 192, 128, True), (4, 64, 64, 64, True), (2, 256, 64, 128, False)])
+    (3, 128, 256, 64, False), (2, 192, 192, 128, True), (4, 64, 64, 64, True), (2, 256, 64, 128, False),
+    (2, 100, 100, 128, True), (3, 65, 65, 64, False), (2, 33, 200, 64, False), (1, 1, 1, 64, False)])
 def test_kernel_matches_float64_attention(batch, seq_q, seq_kv, dim, causal):
     torch = pytest.importorskip("torch")
     scale = 1 / math.sqrt(dim)
@@ -582,15 +613,16 @@ def test_fp16_models_with_fused_attention_match_pytorch(make):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, fill, empty_rows_zero, causal", [
-    ("float16", float("-inf"), True, False), ("float32", float("-inf"), False, False),
-    ("float16", FP16_MIN, False, False), ("float32", float("-inf"), True, True)])
-def test_kernel_with_an_additive_mask_matches_float64(dtype, fill, empty_rows_zero, causal):
+@pytest.mark.parametrize("dtype, fill, empty_rows_zero, causal, s", [
+    ("float16", float("-inf"), True, False, 128), ("float32", float("-inf"), False, False, 128),
+    ("float16", FP16_MIN, False, False, 128), ("float32", float("-inf"), True, True, 128),
+    ("float16", float("-inf"), True, False, 100), ("float32", float("-inf"), False, True, 77)])
+def test_kernel_with_an_additive_mask_matches_float64(dtype, fill, empty_rows_zero, causal, s):
     """The mask operand: one [b, 1, q, kv] mask read for every head (stride 0), -inf or finfo.min
     where a key is dropped, and a query row that keeps no key (0 where `empty_rows_zero`, else NaN;
-    with a finite fill, the softmax of the scores as they are)."""
+    with a finite fill, the softmax of the scores as they are); lengths of whole tiles and not."""
     torch = pytest.importorskip("torch")
-    b, h, s, dim, scale = 2, 3, 128, 64, 0.125
+    b, h, dim, scale = 2, 3, 64, 0.125
     keep = torch.rand(b, 1, s, s, device="cuda") < 0.7
     keep[1, 0, 7] = False
     mask = torch.where(keep, 0.0, fill).to(getattr(torch, dtype))
@@ -617,19 +649,20 @@ def test_kernel_with_an_additive_mask_matches_float64(dtype, fill, empty_rows_ze
 # this pass, in the kernel that casts the int64 attention_mask to bool before any attention: its
 # CUDA stores 4 bools as one `ushort4` (8 bytes) at 4-byte steps, cudaErrorMisalignedAddress.
 @pytest.mark.gpu
+@pytest.mark.parametrize("seq", [128, 100])
 @pytest.mark.parametrize("kind, attn, mask", [
     ("llama", "sdpa", False), ("llama", "eager", False), ("bert", "sdpa", False), ("bert", "eager", False),
     ("llama", "sdpa", True), ("bert", "eager", True)],
     ids=["llama-sdpa", "llama-eager", "bert-sdpa", "bert-eager", "llama-sdpa-padding-mask", "bert-eager-padding-mask"])
-def test_transformers_fp16_with_fused_attention_match_pytorch(kind, attn, mask):
+def test_transformers_fp16_with_fused_attention_match_pytorch(kind, attn, mask, seq):
     """Tiny transformers models (LLaMA with GQA: 4 query, 2 key/value heads; BERT), 2 layers, seq
-    128, fp16 on the GPU against PyTorch in float32: the fused kernel, causal (LLaMA) or without a
+    128 and 100, fp16 on the GPU against PyTorch in float32: the fused kernel, causal (LLaMA) or without a
     mask (BERT) where the model is called with input_ids only, adding the padding mask where an
     attention_mask input decides it (right padding: every query row keeps a key)."""
     torch = pytest.importorskip("torch")
     from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
 
-    module, inputs = hf_model(kind, attn, mask, seq=128, layers=2)
+    module, inputs = hf_model(kind, attn, mask, seq=seq, layers=2)
     executable = tvm_ext.build(tvm_ext.from_torch(module, *inputs), "cuda")
     assert any("attention" in k for k in tvm_ext.cuda_kernels(executable))
     got = VirtualMachine(executable, tvm.cuda(0))["main"](*[tvm.runtime.tensor(x.numpy(), tvm.cuda(0)) for x in inputs])

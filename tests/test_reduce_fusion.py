@@ -207,4 +207,3 @@ def test_a_bool_mask_in_a_fused_softmax_is_never_read_as_a_vector(rng):
     z = np.where(m, -np.inf, s.astype("float32"))
     want = np.exp(z - z.max(-1, keepdims=True))
     np.testing.assert_allclose(got.astype("float32"), want / want.sum(-1, keepdims=True), atol=1e-3)
-
