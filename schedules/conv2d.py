@@ -147,7 +147,12 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
         return None
     data, weight = (_read_index(sch.get(conv), load) for load in _operands(sch.get(conv)))
     writer = sch.cache_write(conv, 0, "local")
-    for block in epilogue:  # scale, residual, activation: applied as the registers are written out
+    # scale, residual, activation: applied as the registers are written out. The blocks before the
+    # last are inlined into what reads them first: x * sigmoid(x) reads its input twice, and a block
+    # with two readers cannot be inlined into its producer
+    for block in epilogue[:-1]:
+        sch.compute_inline(block)
+    for block in epilogue[-1:]:
         sch.reverse_compute_inline(block)
     n_loop, f_loop, y_loop, x_loop, rc_loop, r_loop, q_loop = sch.get_loops(conv)
     split = {axis: sch.split(loop, [None, *parts[axis]]) for axis, loop in zip(AXES, (f_loop, y_loop, x_loop))}

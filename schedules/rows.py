@@ -74,6 +74,16 @@ def estimated_registers(pattern: ReducePattern) -> int:
     return 32 if len(reads) <= 3 else 40
 
 
+def rows_fit(pattern: ReducePattern, rows_per_block: int) -> bool:
+    """Whether a block can take `rows_per_block` rows. Over three or more spatial axes, a block
+    whose rows cross the innermost one (rows of 100 per head, 8 per block) gets from TVM's
+    compute_at a reduction that keeps a spatial loop, which cannot then be spread over lanes."""
+    if rows_per_block == 1 or pattern.num_spatial < 3:
+        return True
+    inner = const_int(pattern.reductions[0].dom()[pattern.num_spatial - 1])
+    return inner is not None and inner % rows_per_block == 0
+
+
 def stage_is_bounded(pattern: ReducePattern, rows_per_block: int) -> bool:
     """Whether TVM can size a shared-memory stage of `rows_per_block` rows by the block's rows: with a
     symbolic row count and several rows per block it sizes it by the whole tensor instead (seen on
@@ -177,7 +187,7 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
     on the H200: bench/results/h200-2026-11-21-sweep-reduce-vec.log).
     """
     reduce_vec = reduce_vec or vec
-    if cache and not stage_is_bounded(pattern, rows_per_block):
+    if not rows_fit(pattern, rows_per_block) or cache and not stage_is_bounded(pattern, rows_per_block):
         return None
     sch, ns = pattern.sch, pattern.num_spatial
     last = pattern.blocks[-1]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .analysis import ROW, ReducePattern, const_int
 from .device import Device
-from .rows import row_bytes, schedule_rows, vector_choices, vector_lanes, worth_caching
+from .rows import row_bytes, rows_fit, schedule_rows, vector_choices, vector_lanes, worth_caching
 
 NAME = "warp_row"
 MAX_ROW_BYTES = 4096  # longer rows go to block_row
@@ -27,6 +27,8 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
     exact = [g for g in fits if g >= 8 and n % (g * vec) == 0]  # no tail chunk (see rows.py)
     group = (exact or fits or [2])[0]
     rows = BLOCK_THREADS // group
+    while not rows_fit(pattern, rows):
+        rows //= 2
     return {"strategy": NAME, "group": group, "rows_per_block": rows, "vec": vec,
             "cache": worth_caching(pattern, rows)}
 
@@ -39,7 +41,7 @@ def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
         return []
     return [{"strategy": NAME, "group": group, "rows_per_block": rows, "vec": vec, "cache": cache}
             for group in (2, 4, 8, 16, 32) if group <= device.warp
-            for rows in (1, 2, 4, 8, 16, 32) if device.warp <= group * rows <= device.max_threads
+            for rows in (1, 2, 4, 8, 16, 32) if device.warp <= group * rows <= device.max_threads and rows_fit(pattern, rows)
             for vec in vector_choices(pattern) if group * vec <= n
             for cache in (False, True) if not cache or worth_caching(pattern, rows)]
 

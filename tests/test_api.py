@@ -28,6 +28,24 @@ def test_import_registers_the_pipeline_that_build_runs():
     assert "__shfl_down_sync" in tvm_ext.cuda_source(via_build)
 
 
+def test_the_pipeline_by_name_alone_still_gets_our_tir_passes():
+    """relax_pipeline="tvm_ext" without tir_pipeline="tvm_ext": TVM's default TIR pipeline would drop our
+    tensor-core code (and a grid-sync kernel's cooperative launch); it runs ours instead and says so once."""
+    from test_tensorize import linear_bias  # noqa: PLC0415
+
+    mod = linear_bias(2048, 1024, 512)
+    target = tvm_ext.parse_target(CUDA_TARGET)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        by_name = tvm_ext.cuda_source(tvm.compile(mod, target=target, relax_pipeline="tvm_ext"))
+    said = [str(w.message) for w in caught if 'tir_pipeline="tvm_ext"' in str(w.message)]
+    assert len(said) == 1 and "tensor-core" in said[0]
+    assert "wmma::mma_sync" in by_name and by_name == tvm_ext.cuda_source(tvm_ext.build(mod, CUDA_TARGET))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a module without kernels of ours: TVM's default, unchanged and silent
+        tvm.compile(relax_module("softmax", [64, 1000], "float16"), target=target)
+
+
 @pytest.mark.parametrize("target, match", [
     ("cuda -arch=sm_90", "unsupported target string 'cuda -arch=sm_90'"),
     ("rocm", "unsupported target string 'rocm'"),

@@ -1,5 +1,7 @@
 """The direct-convolution template: what it takes, what it refuses, the kernel it writes, the GPU."""
 
+import warnings
+
 import numpy as np
 import pytest
 import tvm
@@ -78,6 +80,46 @@ def test_a_strided_convolution_builds_too():
     mod = main_module(lambda bb, x, k: relax.op.nn.conv2d(x, k, strides=2, padding=1), [x, k])
     source = cuda_source(tvm_ext.build(mod, CUDA_TARGET))
     assert "pad_temp_shared" in source
+
+
+ACTIVATIONS = ["SiLU", "Hardswish", "GELU"]  # the first two read the convolution's output twice
+
+
+def _conv_activation(name: str, dtype: str):
+    torch = pytest.importorskip("torch")
+    module = torch.nn.Sequential(torch.nn.Conv2d(32, 64, 3, padding=1), getattr(torch.nn, name)()).eval()
+    return module.to(getattr(torch, dtype)), torch.randn(2, 32, 16, 16, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("name", ACTIVATIONS)
+def test_an_activation_that_reads_its_input_twice_is_fused_into_the_convolution(name):
+    """x * sigmoid(x) (EfficientNet), x * clip(x + 3) / 6 (MobileNet): the template inlined each
+    epilogue block into the one before, which a block with two readers cannot be; TVM's default
+    took these convolutions, with a warning."""
+    module, x = _conv_activation(name, "float16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tvm_ext.FallbackWarning)
+        source = cuda_source(tvm_ext.build(tvm_ext.from_torch(module, x.half()), CUDA_TARGET))
+    kernels = [line for line in source.splitlines() if line.startswith('extern "C" __global__') and "{" in line]
+    assert len(kernels) == 1 and "pad_temp_shared" in source  # ours, the activation in the same kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("name", ACTIVATIONS)
+def test_convolutions_with_activations_match_pytorch_on_the_gpu(name, dtype):
+    torch = pytest.importorskip("torch")
+    from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
+
+    module, x = _conv_activation(name, dtype)
+    x = x.to(getattr(torch, dtype))
+    executable = tvm_ext.build(tvm_ext.from_torch(module, x), "cuda")
+    assert "pad_temp_shared" in cuda_source(executable)
+    got = VirtualMachine(executable, tvm.cuda())["main"](tvm.runtime.tensor(x.numpy(), tvm.cuda()))
+    got = (got[0] if not hasattr(got, "numpy") else got).numpy().astype("float32")
+    with torch.no_grad():
+        want = module.float()(x.float()).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-2 if dtype == "float16" else 1e-4, atol=1e-2 if dtype == "float16" else 1e-4)
 
 
 @pytest.mark.gpu

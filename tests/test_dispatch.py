@@ -10,7 +10,9 @@ import schedules
 import tvm_ext
 from bench.suite import relax_module
 from conftest import CUDA_TARGET
-from schedules.device import Device
+from schedules import warp_row
+from schedules.analysis import match
+from schedules.device import Device, device_of
 from schedules.grid_reduce import joint_allocation
 from tvm_ext.pipeline import fused_reduce_functions
 
@@ -114,3 +116,19 @@ def test_attention_softmax_over_several_row_dims_builds_with_our_schedule():
         warnings.simplefilter("error")
         kernels = tvm_ext.cuda_kernels(tvm_ext.build(bb.get(), CUDA_TARGET))
     assert len(kernels) == 1 and "softmax" in kernels[0]
+
+
+@pytest.mark.parametrize("shape", [[2, 4, 100, 100], [2, 4, 50, 128], [2, 2, 2, 100, 100]])
+def test_blocks_of_rows_that_would_cross_a_head_are_made_smaller(shape):
+    """Scores of 100 queries per head: 8 rows per block cross from one head to the next, where TVM's
+    compute_at leaves the reduction a spatial loop and warp_row raised (every text model at seq 100
+    fell back to TVM's softmax). Blocks take rows that divide the queries instead."""
+    target = tvm_ext.parse_target(CUDA_TARGET)
+    mod = relax_module("softmax", shape, "float16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(tvm_ext.cuda_kernels(tvm_ext.build(mod, CUDA_TARGET))) == 1
+    func = next(iter(fused_reduce_functions(mod, target).values()))
+    knobs = warp_row.default_knobs(match(func), device_of(target))
+    assert shape[-2] % knobs["rows_per_block"] == 0
+    assert warp_row.apply(match(func), device_of(target), dict(knobs, rows_per_block=8)) is None  # refused, not raised

@@ -55,6 +55,35 @@ def test_export_then_fresh_runtime_only_process_gives_same_numbers(tmp_path, rng
     assert "leaked [] compiler library loaded False" in out
 
 
+# `import tvm_ext` itself where TVM's runtime library alone is loaded: load runs the export, build says why not.
+RUNTIME_ONLY_PACKAGE = r"""
+import sys
+import numpy as np
+import tvm
+import tvm_ext
+out = tvm_ext.load(sys.argv[1], "cpu")["main"](tvm.runtime.tensor(np.load(sys.argv[2])))
+np.save(sys.argv[3], out.numpy())
+try:
+    tvm_ext.build
+except ImportError as err:
+    print("build:", err)
+print("compiler library loaded", "libtvm_compiler" in open("/proc/self/maps").read())
+"""
+
+
+def test_the_package_imports_with_the_runtime_library_only(tmp_path, rng):
+    so = tvm_ext.export(tvm_ext.build(relax_module("softmax", [7, 300], "float32"), "llvm"), tmp_path / "sm.so")
+    x = rng.standard_normal((7, 300)).astype("float32")
+    np.save(tmp_path / "x.npy", x)
+    proc = subprocess.run([sys.executable, "-c", RUNTIME_ONLY_PACKAGE, so, str(tmp_path / "x.npy"),
+                           str(tmp_path / "out.npy")], cwd=ROOT, env=dict(os.environ, TVM_USE_RUNTIME_LIB="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), np.exp(x) / np.exp(x).sum(-1, keepdims=True), rtol=1e-5)
+    assert "build: tvm_ext.build needs TVM's compiler" in proc.stdout and "TVM_USE_RUNTIME_LIB=1" in proc.stdout
+    assert "compiler library loaded False" in proc.stdout
+
+
 @pytest.mark.gpu
 def test_cuda_export_runs_in_a_fresh_process_without_the_project(tmp_path, rng):
     out = deploy_round_trip(tmp_path, rng, "cuda", "cuda", {})

@@ -59,6 +59,13 @@ def test_odd_widths_on_gpu(op, dtype, width, rng):
     assert_close(outs, refs, dtype)
 
 
+@pytest.mark.parametrize("shape", [[2, 4, 100, 100], [2, 4, 50, 128], [2, 2, 2, 100, 100]])
+def test_rows_over_several_axes_whose_blocks_would_cross_a_head_on_gpu(shape, rng):
+    executable = tvm_ext.build(relax_module("softmax", shape, "float16"), "cuda")
+    outs, refs = run_case(executable, tvm.cuda(0), "softmax", shape, "float16", rng)
+    assert_close(outs, refs, "float16")
+
+
 def test_grid_reduce_counter_is_left_zeroed_for_the_next_call(rng):
     # a wrong reset would make the second call's last block fire early (or never)
     vm = VirtualMachine(tvm_ext.build(relax_module("row_sum", [3, 200003], "float32"), "cuda"), tvm.cuda(0))

@@ -2,21 +2,37 @@
 
 `import tvm_ext` registers the Relax pipeline "tvm_ext", the TIR pipeline of the same name and
 the Welford reducers (so that a process that only schedules, e.g. a tuner's worker, has them).
+With TVM's runtime library alone (`TVM_USE_RUNTIME_LIB=1`, a deployment) it offers what runs an
+export: `load` and the introspection helpers.
 """
 
-from .api import build, export
-from .fallback import FallbackWarning
-from .frontend import ExportError, UnsupportedOperatorError, from_torch
+import tvm
+
 from .introspect import cuda_kernels, cuda_source, first_divergent_call, trace_calls
-from .passes import register_tir_pass, unregister_tir_pass
-from .pipeline import PIPELINE, register, tvm_ext_pipeline
 from .runtime import load
-from .target import parse_target
-from . import welford
 
-register()
-welford.register()
-
-__all__ = ["PIPELINE", "ExportError", "FallbackWarning", "UnsupportedOperatorError", "build", "cuda_kernels", "cuda_source", "export", "first_divergent_call", "from_torch", "load",
-           "parse_target", "register_tir_pass", "trace_calls", "tvm_ext_pipeline", "unregister_tir_pass"]
 __version__ = "0.1.0"
+_RUNTIME = ["cuda_kernels", "cuda_source", "first_divergent_call", "load", "trace_calls"]
+_COMPILER = ["PIPELINE", "ExportError", "FallbackWarning", "UnsupportedOperatorError", "build", "export", "from_torch",
+             "parse_target", "register_tir_pass", "tvm_ext_pipeline", "unregister_tir_pass"]
+
+if getattr(tvm.base, "_RUNTIME_ONLY", False):  # no compiler to drive: what builds is not imported
+    __all__ = _RUNTIME
+
+    def __getattr__(name):
+        if name in _COMPILER:
+            raise ImportError(f"tvm_ext.{name} needs TVM's compiler, and this process loaded TVM's runtime library "
+                              "only (TVM_USE_RUNTIME_LIB=1): unset it to build")
+        raise AttributeError(f"module 'tvm_ext' has no attribute {name!r}")
+else:
+    from .api import build, export
+    from .fallback import FallbackWarning
+    from .frontend import ExportError, UnsupportedOperatorError, from_torch
+    from .passes import register_tir_pass, unregister_tir_pass
+    from .pipeline import PIPELINE, register, tvm_ext_pipeline
+    from .target import parse_target
+    from . import welford
+
+    register()
+    welford.register()
+    __all__ = sorted(_RUNTIME + _COMPILER)

@@ -39,7 +39,7 @@ from .gated_linears import fuse_gated_epilogues
 from .half_math import half_math_in_float
 from .legalize import legalizations
 from .narrowing import OURS, narrow_indices
-from .passes import check_builds
+from .passes import BUILT_BY_US, check_builds
 from .parallel_matmuls import combine_parallel_linears
 from .records import Database
 from .reduce_fusion import FuseReduceGroups, max_from_top_one, whole_reductions_apart
@@ -217,6 +217,15 @@ def _first_schedule(name: str, func: tirx.PrimFunc, target: Target, rules) -> s_
     return None
 
 
+@tvm.transform.module_pass(opt_level=0, name="TVMExtMarkKernels")
+def _marked_for_our_tir_pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Every kernel marked BUILT_BY_US: TVM's default TIR pipeline then runs ours (tvm_ext/passes)."""
+    for gv, func in list(mod.functions_items()):
+        if isinstance(func, tirx.PrimFunc):
+            mod.update_func(gv, func.with_attr(BUILT_BY_US, True))
+    return mod
+
+
 def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **options) -> tvm.transform.Pass:
     """The pass `tvm_ext.build` runs (also `relax.get_pipeline("tvm_ext", database=...)`)."""
     unknown = sorted(set(options) - set(OPTIONS))
@@ -246,7 +255,7 @@ def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **opt
         if "gpu" in target.keys:
             passes += [ScheduleContractions(database), dlight_defaults]
         passes += ([fallback.guarded_rewrite(narrow_indices)] if narrow else []) + [relax.transform.CallTIRRewrite()]
-        passes += relax.pipeline.finalize_passes(target)
+        passes += relax.pipeline.finalize_passes(target) + [_marked_for_our_tir_pipeline]
         return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline

@@ -1,7 +1,8 @@
 """The hook where this project's TIR passes run: after scheduling, before code generation.
 
 `tvm_ext.build` compiles with the TIR pipeline registered here under the name "tvm_ext": TVM's
-default s_tir pipeline with the passes registered for each phase spliced in.
+default s_tir pipeline with the passes registered for each phase spliced in. TVM's default TIR
+pipeline runs it too, with a warning, for a module the Relax pipeline "tvm_ext" made.
 
 - "early": every scheduled PrimFunc, still in SBlock form, before TVM lowers it;
 - "late": every device kernel after host/device splitting, just before codegen.
@@ -22,16 +23,19 @@ schedule, so that a schedule some pass cannot take goes back to TVM's rules inst
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import tvm
 from tvm import tirx
 from tvm.s_tir import pipeline as s_tir_pipeline
 from tvm.target import Target
 from tvm.tirx.build import split_host_device_mods
+from tvm.tirx.compilation_pipeline import PIPELINE_MAP
 
 from .. import fallback
 
 TIR_PIPELINE = "tvm_ext"
+BUILT_BY_US = "tvm_ext.relax_pipeline"  # PrimFunc attr: made by the Relax pipeline "tvm_ext", for this TIR pipeline
 PHASES = ("early", "late")
 _passes: dict[str, list] = {phase: [] for phase in PHASES}
 
@@ -86,7 +90,34 @@ def _guarded(phase: str) -> tvm.transform.Pass:
     return tvm.transform.Sequential([fallback.guarded_tir_pass(p) for p in _passes[phase]])
 
 
+def _default_taking_ours(default_factory):
+    """TVM's default TIR pipeline, running ours instead (with a warning) for a module that the Relax
+    pipeline "tvm_ext" made: `tvm.compile(..., relax_pipeline="tvm_ext")` without
+    `tir_pipeline="tvm_ext"` would build matmuls without their tensor-core code and grid-sync
+    kernels without the cooperative launch their barrier needs."""
+    def factory(**kwargs):
+        lower, finalize_host, finalize_device = default_factory(**kwargs)
+        ours_lower, _, ours_finalize_device = _tir_pipeline()
+        chosen = {"ours": False}
+
+        @tvm.transform.module_pass(opt_level=0, name="TVMExtDefaultTIRPipeline")
+        def _lower(mod, _ctx):
+            chosen["ours"] = any(isinstance(f, tirx.PrimFunc) and f.attrs.get(BUILT_BY_US, False)
+                                 for _, f in mod.functions_items())
+            if not chosen["ours"]:
+                return lower(mod)
+            warnings.warn(f"tvm_ext: kernels scheduled by relax_pipeline=\"tvm_ext\" are built with tir_pipeline="
+                          f"\"{TIR_PIPELINE}\" (the default would drop their tensor-core code and cooperative launch);"
+                          f" pass tir_pipeline=\"{TIR_PIPELINE}\" to tvm.compile, or use tvm_ext.build", stacklevel=2)
+            return ours_lower(mod)
+
+        return _lower, finalize_host, lambda: (ours_finalize_device if chosen["ours"] else finalize_device)()
+
+    return factory
+
+
 tirx.register_tir_pipeline(TIR_PIPELINE, _tir_pipeline)
+tirx.register_tir_pipeline("s_tir", _default_taking_ours(PIPELINE_MAP["s_tir"]))  # what "default" and None build with
 
 
 def check_builds(func: tirx.PrimFunc, name: str, target: Target) -> None:
