@@ -137,12 +137,6 @@ def is_reduce_subgraph(func: tirx.PrimFunc) -> bool:
     return bool(blocks) and not any(_is_contraction(b) for b in blocks)
 
 
-def reduces_to_one_value(func: tirx.PrimFunc) -> bool:
-    """Whether every reduction of `func` leaves a single value (a sum or max of the whole tensor)."""
-    blocks = _reduction_blocks(func)
-    return bool(blocks) and all(const_int(r.extent) == 1 for b in blocks for w in b.writes for r in w.region)
-
-
 def _widen_union_reads(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     """Declare whole dimensions where inlining left a read region that is a union (min/max of
     iterators, e.g. Welford's pivot x[r, 0] beside x[r, k]): once loops are split over threads,

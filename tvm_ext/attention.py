@@ -27,6 +27,7 @@ from schedules.strided_view import StridedView
 from .bindings import Bindings, op_name
 from .layout_rewrites import static_shape
 from .legalize import legalizations
+from .reduce_fusion import OPAQUE
 
 LOG = logging.getLogger(__name__)
 PASSING = ("relax.astype", "relax.reshape", "relax.broadcast_to")  # ops that carry the scores unchanged
@@ -36,7 +37,6 @@ MERGES = ("relax.reshape", "relax.permute_dims")  # views that map one to one, s
 SCALINGS = ("relax.multiply", "relax.divide")
 FLOATS = ("float16", "float32")
 MASKED_FILL = -1.0e4  # a finite mask value at or below this counts as masked (see the module docstring)
-OPAQUE = 8  # relax's OpPatternKind kOpaque: FuseOps never fuses it with its neighbours
 
 
 def _dtype(expr) -> str:
@@ -211,6 +211,15 @@ def _addable(value: float) -> bool:
     return value == -math.inf or (math.isfinite(value) and abs(value) <= -attention.MASK_FLOOR)
 
 
+def _float_where(chain: Bindings, mask) -> relax.Call | None:
+    """The float `where(cond, a, b)` that `mask` is, under casts between float types, or None."""
+    var = mask
+    while op_name(chain.producer(var)) == "relax.astype" and _dtype(chain.producer(var).args[0]) in FLOATS:
+        var = chain.producer(var).args[0]
+    where = chain.producer(var)
+    return where if op_name(where) == "relax.where" and _dtype(var) in FLOATS else None
+
+
 def _mask_values_addable(chain: Bindings, masks: _Masks, mask) -> bool:
     """Whether every value `mask` can take is one the kernel adds exactly: a constant mask is
     evaluated; otherwise it must be where(cond, a, b) (the data picks) of scalar constants a and b,
@@ -218,11 +227,8 @@ def _mask_values_addable(chain: Bindings, masks: _Masks, mask) -> bool:
     values = masks.values(mask)
     if values is not None:
         return bool(np.all(np.isneginf(values) | (np.isfinite(values) & (np.abs(values) <= -attention.MASK_FLOOR))))
-    var = mask
-    while op_name(chain.producer(var)) == "relax.astype" and _dtype(chain.producer(var).args[0]) in FLOATS:
-        var = chain.producer(var).args[0]
-    where = chain.producer(var)
-    if op_name(where) != "relax.where" or _dtype(var) not in FLOATS:
+    where = _float_where(chain, mask)
+    if where is None:
         return False
     branches = [_constant(chain, x) for x in where.args[1:]]
     return all(x is not None and _addable(x) for x in branches)
@@ -251,11 +257,8 @@ def _causal_within(chain: Bindings, masks: _Masks, mask, mask_sum, logical: list
     finite fill (eager's finfo.min): a row whose every key is masked then takes the softmax over
     all keys, the ones above the diagonal too."""
     rows, cols = logical[1:]
-    var = mask
-    while op_name(chain.producer(var)) == "relax.astype" and _dtype(chain.producer(var).args[0]) in FLOATS:
-        var = chain.producer(var).args[0]
-    where = chain.producer(var)
-    if op_name(where) != "relax.where" or rows != cols:
+    where = _float_where(chain, mask)
+    if where is None or rows != cols:
         return False
     if _constant(chain, where.args[2]) != -math.inf:
         return False

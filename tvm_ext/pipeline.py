@@ -42,7 +42,7 @@ from .narrowing import OURS, narrow_indices
 from .passes import BUILT_BY_US, check_builds
 from .parallel_matmuls import combine_parallel_linears
 from .records import Database
-from .reduce_fusion import FuseReduceGroups, max_from_top_one, whole_reductions_apart
+from .reduce_fusion import FuseReduceGroups, max_from_top_one, reductions_apart
 from .split_k import legalization as split_k_legalization
 from .target import without_arch_specific
 from .layout_rewrites import activation_before_reshape, read_transposed_operand
@@ -164,7 +164,7 @@ def fused_passes(target, **options) -> list:
         relax.transform.LegalizeOps(customize_legalize_map=fallback.guarded_legalizations({**legalizations(variance),
                                                                                            **split_k})),
         relax.transform.AnnotateTIROpPattern(),
-        guarded(whole_reductions_apart),
+        guarded(reductions_apart),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         guarded(FuseReduceGroups()),

@@ -18,7 +18,7 @@ merges FuseOps' groups (and lone kernels) across those edges, CINN-style, around
   (the merged function would depend on itself);
 * a reduction to one value (`x.abs().amax()`, `isinf(x).any()`) keeps the work on that value but
   not the work on every element after it, which would wait for the whole tensor: two kernels
-  (`whole_reductions_apart` keeps FuseOps from fusing it so).
+  (`reductions_apart` keeps FuseOps from fusing reductions itself).
 
 A merged group becomes one Relax function marked Primitive; FuseTIR turns it into one PrimFunc,
 which this project's dispatcher schedules like the single-op norms. Values other code still needs
@@ -33,14 +33,14 @@ import tvm
 import tvm_ffi
 from tvm import relax, tirx
 
-from schedules.analysis import const_int, is_reduce_subgraph, reduces_to_one_value, substitute
+from schedules.analysis import const_int, is_reduce_subgraph, substitute
 
 
 CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 TOPK = tvm.ir.Op.get("relax.topk")
 ELEMENTWISE = 1  # op_pattern: 0 elementwise, 1 broadcast
 INJECTIVE = 2
-OPAQUE = 8
+OPAQUE = 8  # relax's OpPatternKind kOpaque: FuseOps never fuses it with its neighbours
 
 
 @dataclass
@@ -92,13 +92,13 @@ def kernel_calls(mod: tvm.IRModule, call: relax.Call) -> tuple[list, dict] | Non
     return None
 
 
-@tvm.transform.module_pass(opt_level=0, name="TVMExtWholeReductionsApart")
-def whole_reductions_apart(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    """Mark kernels that reduce a tensor to one value opaque to FuseOps, which would fuse the work
-    on every element after them into their function, where each thread redoes the whole reduction.
-    FuseReduceGroups gives them back their producers and the work on that one value."""
+@tvm.transform.module_pass(opt_level=0, name="TVMExtReductionsApart")
+def reductions_apart(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Mark every reduction kernel opaque to FuseOps, so that FuseReduceGroups alone decides what joins
+    it. FuseOps fused the work on every element after a reduction to one value into its function,
+    where each thread redid the whole reduction (T5's overflow clamp)."""
     for gv, func in list(mod.functions_items()):
-        if isinstance(func, tirx.PrimFunc) and is_reduce_subgraph(func) and reduces_to_one_value(func):
+        if isinstance(func, tirx.PrimFunc) and is_reduce_subgraph(func):
             mod.update_func(gv, func.with_attr("op_pattern", OPAQUE))
     return mod
 
