@@ -1,6 +1,6 @@
 """The model zoo (examples/zoo.py) on this GPU: ours vs TVM's default vs torch eager vs torch.compile.
 
-    python -m bench.zoo --out bench/results/NAME [--models gpt2,llama_mask,...] [--dtype float16] [--attn sdpa] [--seq 128]
+    python -m bench.zoo --out bench/results/NAME [--models gpt2,llama_mask,...] [--dtype float16] [--attn sdpa] [--seq 128] [--breakdown]
 
 Each model, called as users call it, is imported with `tvm_ext.from_torch` and timed by
 `bench.e2e.run_module` in this one process; a model or implementation that fails gets a row that
@@ -27,6 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     ap.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="transformers' attention implementation")
     ap.add_argument("--seq", type=int, default=None, help="sequence length for the text models (default: the zoo's)")
+    ap.add_argument("--breakdown", action="store_true", help="also profile each of our kernels (slower)")
     ap.add_argument("--out", required=True, help="path prefix: writes .json and .md")
     args = ap.parse_args(argv)
     unknown = sorted(set(args.models.split(",")) - set(ZOO))
@@ -41,7 +42,7 @@ def main(argv=None) -> int:
         module, inputs = ZOO[name](dtype=args.dtype, **options)
         shapes = "x".join(map(str, inputs[0].shape))
         results.append(run_module(f"{name} {args.dtype} {args.attn if name in HAS_ATTN else ''} {shapes}".strip(), module,
-                                  inputs, None, print, breakdown=False))
+                                  inputs, None, print, breakdown=args.breakdown))
         save(args.out, results)
     print(markdown(results))
     return 0
