@@ -392,13 +392,24 @@ def test_sdpa_with_fewer_keys_than_one_tile_is_fused(recorded):
 
 
 @pytest.mark.parametrize("module", [
-    sdpa_spelled(mask="additive"),  # a float mask parameter: values the kernel may not add exactly
+    sdpa_spelled(mask="additive", mask_dtype="float32"),  # a float32 mask parameter: may hold finfo(fp32).min
     sdpa_spelled(mask="param", fill=-3.0e38, mask_dtype="float32"),  # finfo(fp32).min: x LOG2E overflows
     sdpa_spelled(mask="causal", guard="other"),  # after the softmax something else than the guard
-], ids=["float-mask-parameter", "f32-min-fill-from-data", "not-the-guard"])
+], ids=["f32-mask-parameter", "f32-min-fill-from-data", "not-the-guard"])
 def test_sdpa_chains_it_cannot_replace_are_left_alone(module):
     after = fused(module)
     assert calls_of(after) == [] and "R.nn.softmax" in ops_in(after)
+
+
+def test_a_float16_mask_from_the_data_is_added_by_the_kernel(recorded):
+    """Whatever a float16 mask holds (T5's position bias), every finite value lies within the
+    kernel's bounds, and -inf keys get no weight."""
+    mod = sdpa_spelled(mask="additive")
+    arrays = random_inputs(mod)
+    arrays[-1][1, 0, 5, :9] = -np.inf
+    arrays[-1][0, 0, :, 7] = np.finfo(np.float16).min
+    assert_fused_like_original(mod, recorded, arrays, atol=5e-3)
+    assert recorded[0]["mask"] is not None and recorded[0]["mask"][2] == "float16"
 
 
 def padding_inputs(mod, seed=0, empty_row=True) -> list:
@@ -528,6 +539,21 @@ def test_transformers_padding_masks_are_added_by_the_kernel(recorded, kind, attn
     assert [c["mask"] is not None for c in recorded] == [True]
     assert recorded[0]["causal"] == (kind == "llama" and attn == "sdpa")  # eager's finfo.min fill: all key tiles
     assert recorded[0]["empty_rows_zero"] == (attn == "sdpa")
+
+
+def test_t5s_position_bias_is_added_by_the_kernel(recorded):
+    """T5 with SDPA adds a learned bias per head plus the padding mask to unscaled scores: values from
+    the data, but a float16 tensor, so every finite one lies within the kernel's bounds; the kernel
+    adds it. (Eager T5 adds bias and mask one after the other: not matched.)"""
+    pytest.importorskip("transformers")
+    from examples.zoo import t5_encoder  # noqa: PLC0415
+
+    module, inputs = t5_encoder(dtype="float16", attn="sdpa")
+    mod = tvm_ext.from_torch(module, *inputs)
+    assert_fused_like_original(mod, recorded, [x.numpy() for x in inputs], atol=5e-3)
+    assert len(recorded) == 2  # one per layer
+    assert all(c["mask"] is not None and c["scale"] == 1.0 and not c["causal"] for c in recorded)
+    assert all(c["empty_rows_zero"] for c in recorded)
 
 
 @pytest.mark.parametrize("kind, attn", [("llama", "sdpa"), ("bert", "eager")])

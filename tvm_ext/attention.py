@@ -220,13 +220,26 @@ def _float_where(chain: Bindings, mask) -> relax.Call | None:
     return where if op_name(where) == "relax.where" and _dtype(var) in FLOATS else None
 
 
+def _passes_through_float16(chain: Bindings, mask) -> bool:
+    """Whether `mask` is a float16 tensor, maybe cast to other float types: every finite value then
+    lies within +-65504 (T5's learned position bias plus its padding mask)."""
+    var = mask
+    while _dtype(var) != "float16" and op_name(chain.producer(var)) == "relax.astype" \
+            and _dtype(chain.producer(var).args[0]) in FLOATS:
+        var = chain.producer(var).args[0]
+    return _dtype(var) == "float16"
+
+
 def _mask_values_addable(chain: Bindings, masks: _Masks, mask) -> bool:
     """Whether every value `mask` can take is one the kernel adds exactly: a constant mask is
-    evaluated; otherwise it must be where(cond, a, b) (the data picks) of scalar constants a and b,
+    evaluated; otherwise it must have passed through float16 (whose finite values all lie within
+    the kernel's bounds), or be where(cond, a, b) (the data picks) of scalar constants a and b,
     maybe cast to another float type."""
     values = masks.values(mask)
     if values is not None:
         return bool(np.all(np.isneginf(values) | (np.isfinite(values) & (np.abs(values) <= -attention.MASK_FLOOR))))
+    if _passes_through_float16(chain, mask):
+        return True
     where = _float_where(chain, mask)
     if where is None:
         return False
