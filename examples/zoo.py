@@ -169,6 +169,27 @@ def vit(dtype="float32", attn="sdpa", batch=2, image=32, patch=8):
     return _hf(ViTForImageClassification, config, dtype, ("pixel_values",), (pixels.to(_dtype(dtype)),))
 
 
+def clip(dtype="float32", attn="sdpa", batch=2, image=32, patch=8):
+    """CLIPVisionModel(pixel_values) -> last_hidden_state [batch, 17, 256]: the class token joined
+    to the patches, then a LayerNorm before the first layer."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel  # noqa: PLC0415
+
+    config = CLIPVisionConfig(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
+                              num_attention_heads=HEADS, image_size=image, patch_size=patch, attn_implementation=attn)
+    pixels = torch.randn(batch, 3, image, image, generator=torch.Generator().manual_seed(SEED + 1))
+    return _hf(CLIPVisionModel, config, dtype, ("pixel_values",), (pixels.to(_dtype(dtype)),))
+
+
+def swin(dtype="float32", batch=2, image=32):
+    """SwinModel(pixel_values) -> last_hidden_state: windowed attention with a relative position
+    bias, patch merging, and a LayerNorm of the transposed patch embedding."""
+    from transformers import SwinConfig, SwinModel  # noqa: PLC0415
+
+    config = SwinConfig(image_size=image, patch_size=4, embed_dim=32, depths=[1, 1], num_heads=[2, 4], window_size=4)
+    pixels = torch.randn(batch, 3, image, image, generator=torch.Generator().manual_seed(SEED + 1))
+    return _hf(SwinModel, config, dtype, ("pixel_values",), (pixels.to(_dtype(dtype)),))
+
+
 def resnet18(dtype="float32", batch=2, image=64):
     """torchvision ResNet-18 (1000 classes) -> logits [batch, 1000] on an image batch. BatchNorm
     running statistics and affine parameters are randomized (fresh ones are the identity)."""
@@ -201,8 +222,10 @@ ZOO = {
     "t5": t5,
     "t5_encoder": t5_encoder,
     "vit": vit,
+    "clip": clip,
+    "swin": swin,
     "resnet18": resnet18,
 }
-"""name -> builder(dtype=..., [attn=...]) -> (module, inputs). Every builder but resnet18 takes `attn`."""
+"""name -> builder(dtype=..., [attn=...]) -> (module, inputs). Every builder but swin's and resnet18's takes `attn`."""
 
-HAS_ATTN = {name for name in ZOO if name != "resnet18"}
+HAS_ATTN = {name for name in ZOO if name not in ("swin", "resnet18")}

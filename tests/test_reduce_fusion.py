@@ -124,6 +124,28 @@ def test_reductions_over_other_axes_are_not_merged(rng):
     np.testing.assert_allclose(got, e / e.sum(0, keepdims=True), rtol=1e-4, atol=1e-6)
 
 
+def test_a_transposed_input_is_copied_before_the_norm_reads_rows(rng):
+    """A patch embedding's flatten(2).transpose(1, 2) before a LayerNorm (CLIP, Swin): fused, the norm
+    would read its rows down columns and fall back to TVM; kept apart, the norm is ours."""
+    bb = relax.BlockBuilder()
+    x, g, b = (relax.Var(n, relax.TensorType(s, "float16")) for n, s in (("x", [2, 256, 4, 4]), ("g", [256]), ("b", [256])))
+    with bb.function("main", [x, g, b]):
+        with bb.dataflow():
+            rows = bb.emit(relax.op.permute_dims(relax.op.reshape(x, [2, 256, 16]), [0, 2, 1]))
+            out = bb.emit_output(relax.op.nn.layer_norm(rows, g, b, axes=[-1], epsilon=spelled.EPS))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a refusal (TVM's schedule for the norm) warns
+        names = kernels(tvm_ext.build(mod, CUDA_TARGET))
+    assert len(names) == 2 and any("transpose" in k and "norm" not in k for k in names), names
+    xs, gs, bs = (rng.standard_normal(s).astype("float16") for s in ([2, 256, 4, 4], [256], [256]))
+    got = VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())["main"](*map(tvm.runtime.tensor, (xs, gs, bs))).numpy()
+    r = xs.astype("float32").reshape(2, 256, 16).transpose(0, 2, 1)
+    want = (r - r.mean(-1, keepdims=True)) / np.sqrt(r.var(-1, keepdims=True) + spelled.EPS) * gs + bs
+    np.testing.assert_allclose(got.astype("float32"), want, atol=2e-2)
+
+
 def test_a_weight_held_as_a_constant_is_passed_in(rng):
     """Imported models hold weights as tensor constants, which FuseTIR refuses inside a group."""
     weight = rng.random(512).astype("float32") + 0.5

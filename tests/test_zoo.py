@@ -29,8 +29,8 @@ from examples.zoo import HAS_ATTN, VOCAB, ZOO  # noqa: E402
 from tvm_ext.target import without_arch_specific  # noqa: E402
 
 DECODERS = ["gpt2", "llama", "mistral", "qwen2"]
-CPU_MODELS = DECODERS + [f"{d}_mask" for d in DECODERS] + ["bert", "t5", "vit", "resnet18"]
-CUDA_MODELS = ["gpt2", "llama_mask", "mistral", "qwen2_mask", "bert", "t5_encoder", "vit", "resnet18"]
+CPU_MODELS = DECODERS + [f"{d}_mask" for d in DECODERS] + ["bert", "t5", "vit", "clip", "swin", "resnet18"]
+CUDA_MODELS = ["gpt2", "llama_mask", "mistral", "qwen2_mask", "bert", "t5_encoder", "vit", "clip", "swin", "resnet18"]
 NORMS = ("norm", "softmax")  # fused functions named after these must be ours
 
 

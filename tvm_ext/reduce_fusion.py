@@ -13,6 +13,9 @@ merges FuseOps' groups (and lone kernels) across those edges, CINN-style, around
   the reduced shape (residual adds before, casts, weights and activations after), and producers
   with a reshape when nothing outside the group reads them (the scale and causal mask before an
   attention softmax);
+* a layout change that moves the innermost axis (a patch embedding's `flatten(2).transpose(1, 2)`
+  before CLIP's and Swin's first LayerNorm) stays out: the reduction would read its rows down
+  columns, which no row template takes;
 * it stops at anything else (matmuls, convolutions, layout changes, ops it does not know), which
   keep TVM's own fusion, and never merges two groups when a path between them leaves the group
   (the merged function would depend on itself);
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 
 import tvm
 import tvm_ffi
-from tvm import relax, tirx
+from tvm import relax, s_tir, tirx
 
 from schedules.analysis import const_int, is_reduce_subgraph, substitute
 
@@ -53,6 +56,7 @@ class _Node:
     signature: tuple | None = None  # (rows shape, reduced shape) of its reductions
     mergeable: bool = False
     injective: bool = False  # holds a layout change (reshape, transpose): joins only as a private producer
+    transposes: bool = False  # moves the innermost axis (a patch embedding's flatten(2).transpose(1, 2))
     out_shape: tuple | None = None
 
 
@@ -127,11 +131,32 @@ def _classify(mod: tvm.IRModule, node: _Node) -> None:
             return
         else:
             injective |= pattern == INJECTIVE
+            node.transposes |= pattern == INJECTIVE and _moves_innermost(func)
     if any(not _same_signature(s, signatures[0]) for s in signatures):
         return
     node.signature = signatures[0] if signatures else None
     node.out_shape = _shape(node.binding.var)
     node.mergeable, node.injective = True, injective
+
+
+def _moves_innermost(func: tirx.PrimFunc) -> bool:
+    """Whether some block reads an input with a last index that does not follow the block's
+    innermost axis (a transpose of the last axis), both longer than one."""
+    moved = []
+
+    def visit(block):
+        spatial = [iv for iv in block.iter_vars if iv.iter_type == tirx.IterVar.DataPar]
+        if not spatial or const_int(spatial[-1].dom.extent) == 1:
+            return
+        loads = []
+        tvm_ffi.structural_walk(block.body, (tvm.ir.TensorLoad, loads.append), order="pre")
+        for load in loads:
+            if load.indices and const_int(load.source.shape[-1]) != 1:
+                used = []
+                tvm_ffi.structural_walk(load.indices[-1], (tirx.Var, used.append), order="post")
+                moved.extend([load] if not any(spatial[-1].var.same_as(v) for v in used) else [])
+    tvm_ffi.structural_walk(func.body, (s_tir.SBlock, visit), order="pre")
+    return bool(moved)
 
 
 def _is_whole(signature) -> bool:
@@ -201,6 +226,8 @@ class _Groups:
         if sa is not None and sb is None and _is_whole(sa) and any(_same(n.out_shape, sa[0]) for n in self.members(b)):
             return False  # every element would wait for a reduction over all of them: no template of ours
         members = self.members(a) + self.members(b)
+        if any(n.transposes for n in members):
+            return False  # the reduction would read its rows down columns: no row template takes that
         if not self._fits(signature, members) or self._detour(a, b) or self._shares_layout_change(members):
             return False
         self.parent[b] = a
