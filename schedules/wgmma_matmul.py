@@ -31,17 +31,19 @@ template writes the kernel itself:
   accumulators of one thread per output element and stages half of C's columns;
 - consecutive blocks walk down `group` rows of tiles before the next column (B's columns stay in L2).
 
-Shapes: fp16 operands, f32 accumulation, static sizes, M a multiple of 64, N and K of 64, A read
-along k. Anything else is left to the thread-level template (at 4096 x 1000 x 1024 with an fp32 C,
-wgmma tiles passing N's edge made 234-263 TFLOP/s against its 258-277). The last column of tiles
-may pass C's edge by a little: its copies of B repeat B's last columns there and nothing past the
-edge is stored. So a 128 x 224 tile over a k-major B can make whole waves of blocks where 128 x 256
+Shapes: fp16 operands, f32 accumulation, static sizes, N and K multiples of 64, A read along k.
+Anything else is left to the thread-level template (at 4096 x 1000 x 1024 with an fp32 C, wgmma
+tiles passing N's edge made 234-263 TFLOP/s against its 258-277). The last row of tiles may pass
+C's edge (a prompt of any length: 2 x 100 rows): its copies of A repeat A's last row there (TMA
+fills zeros) and nothing past the edge is stored. The last column of tiles may pass C's edge by a
+little, the same way with B's last columns. So a 128 x 224 tile over a k-major B can make whole waves of blocks where 128 x 256
 leaves the last one half empty (512 x 22016 x 4096: 396 blocks, three waves of 132, against 344;
 510 TFLOP/s against 484 on an H200, bench/results/h200-2026-11-22-s13-partial-tiles.json).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -98,7 +100,7 @@ def _fit(func: tirx.PrimFunc):
             or not all(isinstance(e, tirx.IntImm) for e in extents) or matmul.part_strides(block) != []:
         return None
     m, n, k = (int(e) for e in extents[-3:])
-    if m % ROWS or n % 64 or k % K_TILE or not matmul.k_is_last(block)[0]:
+    if m < ROWS or n % 64 or k % K_TILE or not matmul.k_is_last(block)[0]:
         return None
     folded = _epilogue(sch, epilogue, block.writes[0].source, extents[:-1])
     if folded is None or folded.gated and str(folded.out.dtype) != "float16":  # gated: staged in shared memory
@@ -119,8 +121,8 @@ def _points(found) -> list[dict]:
         return []
     *_, m, n, _ = _sizes(found)
     b_n_major = not matmul.k_is_last(found[0])[1]
-    points = [{"strategy": NAME, "block_m": bm, "block_n": bn, "stages": stages, "group": _group(m // bm)}
-              for bm, bn in TILES if m % bm == 0 and _width_fits(bn, n, b_n_major) for stages in _stage_counts(bm, bn)]
+    points = [{"strategy": NAME, "block_m": bm, "block_n": bn, "stages": stages, "group": _group(_tiles(m, bm))}
+              for bm, bn in TILES if bm <= m and _width_fits(bn, n, b_n_major) for stages in _stage_counts(bm, bn)]
     if _tma_views(found[0]) is None:  # operands a descriptor cannot describe
         return points
     return points + [{**p, "tma": 1} for p in points if _tma_fits(p["block_m"], p["block_n"], p["stages"])]
@@ -148,8 +150,8 @@ def _tiles(size: int, tile: int) -> int:
 
 
 def block_count(batch: int, m: int, n: int, block_m: int, block_n: int) -> int:
-    """Blocks of a launch: one per tile of C (the last column of tiles may pass its edge)."""
-    return batch * m // block_m * _tiles(n, block_n)
+    """Blocks of a launch: one per tile of C (the last row and column of tiles may pass its edge)."""
+    return batch * _tiles(m, block_m) * _tiles(n, block_n)
 
 
 def _group(row_tiles: int) -> int:
@@ -351,8 +353,8 @@ def _apply(func: tirx.PrimFunc, found, knobs: dict) -> s_tir.Schedule | None:
     bm, bn, stages, group, tma = (int(knobs.get(x, 0)) for x in ("block_m", "block_n", "stages", "group", "tma"))
     *batch, m, n, k = _sizes(found)
     views = _tma_views(block) if tma else None
-    if bm % ROWS or bn % 32 or bn > 256 or m % bm or not _width_fits(bn, n, not matmul.k_is_last(block)[1]) \
-            or stages < 2 + _in_flight(bm, bn, stages) or group and m // bm % group \
+    if bm % ROWS or bn % 32 or bn > 256 or bm > m or not _width_fits(bn, n, not matmul.k_is_last(block)[1]) \
+            or stages < 2 + _in_flight(bm, bn, stages) or group and _tiles(m, bm) % group \
             or not _output_bytes(bm, bn) <= stages * stage_bytes(bm, bn) <= matmul.MAX_SHARED \
             or tma and (views is None or not _tma_fits(bm, bn, stages)):
         return None
@@ -376,14 +378,21 @@ def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k) -> tirx
     k_tiles, ahead = k // K_TILE, min(stages - 1 - in_flight, k // K_TILE)  # in flight: stage kt - 1 may still be read
     regs = bn // 2
     columns, partial = _tiles(n, bn), n % bn != 0
+    rows, partial_rows = _tiles(m, bm), m % bm != 0
 
     def within(index, last):
         """`index`, held at `last` where the last column of tiles passes C's edge."""
         return T.min(index, last) if partial else index
 
-    def inside(column, edge):
-        """Whether `column` is before the output's `edge` (always, unless the last column of tiles passes C's edge)."""
-        return column < edge if partial else T.bool(True)
+    def within_rows(row):
+        """`row`, held at C's last where the last row of tiles passes C's edge."""
+        return T.min(row, m - 1) if partial_rows else row
+
+    def inside(column, edge, row=None):
+        """Whether `column` is before the output's `edge` and `row` before C's last row (always, unless the
+        last column or row of tiles passes C's edge)."""
+        tests = ([column < edge] if partial else []) + ([row < m] if partial_rows and row is not None else [])
+        return functools.reduce(tirx.And, tests) if tests else T.bool(True)
 
     def at(load, bindings):
         """The element of `load`'s buffer at the matmul's iterators bound to `bindings`."""
@@ -401,7 +410,7 @@ def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k) -> tirx
         chunk = tx + i * consumers
         row, piece = chunk // 8, chunk % 8
         dst = slot * stage_elems + swizzled(row, piece * 8, bm)
-        return dst, at(a_load, {**batch_of(bz), row_var: by * bm + row, k_var: tile * K_TILE + piece * 8})
+        return dst, at(a_load, {**batch_of(bz), row_var: within_rows(by * bm + row), k_var: tile * K_TILE + piece * 8})
 
     def copy_b(slot, tile, tx, bx, bz, i):
         chunk = tx + i * consumers
@@ -483,7 +492,7 @@ def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k) -> tirx
     @T.prim_func(check_well_formed=False)
     def kernel():
         bz = T.launch_thread("blockIdx.z", grid_z)
-        tile = T.launch_thread("blockIdx.x", columns * (m // bm))
+        tile = T.launch_thread("blockIdx.x", columns * rows)
         bx, by = T.meta_var(raster(tile))
         tx = T.launch_thread("threadIdx.x", threads)
         smem = T.alloc_buffer((stages * stage_elems + tma * stages * BARRIER_BYTES // 2,),  # fp16 elements: the barriers after the stages
@@ -552,18 +561,20 @@ def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k) -> tirx
             if tx < consumers:
                 for r in T.unroll(regs // len(ep.loads)):
                     row, col = T.meta_var(accumulator_position(tx, r))
-                    smem[row * row_stride + col] = result(bz, by * bm + row, within(bx * out_bn + col, out_n - 1), operands(acc, r))
+                    smem[row * row_stride + col] = result(bz, within_rows(by * bm + row), within(bx * out_bn + col, out_n - 1),
+                                                          operands(acc, r))
             T.tvm_storage_sync("shared")
             if tx < consumers:
                 for i in T.unroll(bm * out_bn // 8 // consumers):
-                    if inside(bx * out_bn + (tx + i * consumers) % (out_bn // 8) * 8, out_n):  # 8 columns, all inside or none
+                    if inside(bx * out_bn + (tx + i * consumers) % (out_bn // 8) * 8, out_n,  # 8 columns, all inside or none
+                              by * bm + (tx + i * consumers) // (out_bn // 8)):
                         for v in T.vectorized(8):
                             row, col = T.meta_var(((tx + i * consumers) // (out_bn // 8), (tx + i * consumers) % (out_bn // 8) * 8 + v))
                             T.buffer_store(out, smem[row * row_stride + col], indices(bz, by * bm + row, bx * out_bn + col)[0])
         elif tx < consumers:
             for r in T.unroll(regs):
                 row, col = T.meta_var(accumulator_position(tx, r))
-                if inside(bx * bn + col, n):
+                if inside(bx * bn + col, n, by * bm + row):
                     T.buffer_store(out, result(bz, by * bm + row, bx * bn + col, operands(acc, r)), indices(bz, by * bm + row, bx * bn + col)[0])
 
     return tirx.SeqStmt([*host, kernel.body]) if tma else kernel.body

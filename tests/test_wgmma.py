@@ -74,6 +74,22 @@ def test_the_last_column_of_tiles_may_pass_the_edge_of_c():
         assert f" < {n}:" in kernel.script()  # and C is stored inside its edge only (simplified per column in CUDA)
 
 
+def test_the_last_row_of_tiles_may_pass_the_edge_of_c():
+    # a prompt of any length: 2 x 100 rows, or 100 rows of each of a batch, in tiles of 64 or 128 rows
+    assert tiles(wgmma_matmul.knob_space(template_func(200, 768, 768))) == \
+        [(128, 256), (128, 192), (128, 128), (64, 256), (64, 128), (64, 64)]
+    assert tiles(wgmma_matmul.knob_space(batched(2, 100, 256, 128))) == [(64, 256), (64, 128), (64, 64)]
+    assert wgmma_matmul.knob_space(template_func(63, 256, 128)) == []  # less than one warpgroup's rows
+    for knobs in ({"block_m": 128, "block_n": 128, "stages": 2}, {"block_m": 128, "block_n": 128, "stages": 4, "tma": 1}):
+        kernel = wgmma_matmul.apply(template_func(200, 256, 128), knobs).mod["main"]
+        assert "T.launch_thread(\"blockIdx.x\", 4)" in kernel.script()  # 2 rows of tiles (256 rows) by 2 columns
+        assert " < 200" in kernel.script()  # C is stored inside its edge only
+        if not knobs.get("tma"):  # A's rows past the edge: copies of its last one (TMA fills zeros)
+            assert ", 199)" in cuda_source(kernel)
+    sm_90a = tvm.target.Target(SM_90A)
+    assert dispatch.heuristic_knobs(template_func(200, 768, 768), sm_90a)["strategy"] == "wgmma_matmul"
+
+
 def test_only_sm_90a_targets_get_it():
     func = template_func(1024, 1024, 1024)
     assert dispatch.heuristic_knobs(func, tvm.target.Target(SM_90A))["strategy"] == "wgmma_matmul"
@@ -195,7 +211,8 @@ def test_a_batch_is_blockidx_z_and_the_tiles_walk_in_groups_of_rows():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(256, 512, 256), (128, 256, 64), (1024, 11008, 4096), (3, 512, 256, 128),
-                                   (256, 2240, 128), ("k-major", 256, 640, 128)])
+                                   (256, 2240, 128), ("k-major", 256, 640, 128), (200, 768, 768), (2, 100, 256, 128),
+                                   ("k-major", 100, 640, 192)])
 def test_wgmma_matmul_on_gpu(shape, rng):
     *batch, m, n, k = shape
     weight_rows = batch == ["k-major"]

@@ -106,13 +106,13 @@ class _ReadTransposedOperand(PyExprMutator):
 
 
 def _wgmma_sized(call) -> bool:
-    """Whether a 2-D matmul is one the wgmma template takes whole: fp16 into float32, static sizes
-    of whole 64-element tiles, more rows than split-K's few (those keep TVM's legalization)."""
+    """Whether a 2-D matmul is one the wgmma template takes whole: fp16 into float32, static sizes,
+    K and N of whole 64-element tiles, more rows than split-K's few (those keep TVM's legalization)."""
     from .split_k import MAX_ROWS  # split_k reads shapes with this module's helpers
 
     sa, sb = static_shape(call.args[0]), static_shape(call.args[1])
     return sa is not None and sb is not None and len(sa) == len(sb) == 2 and str(call.args[0].ty.dtype) == "float16" \
-        and str(call.attrs.out_dtype) == "float32" and sa[0] > MAX_ROWS and all(d % 64 == 0 for d in (*sa, sb[1]))
+        and str(call.attrs.out_dtype) == "float32" and sa[0] > MAX_ROWS and sa[1] % 64 == 0 and sb[1] % 64 == 0
 
 
 @tvm.transform.module_pass(opt_level=0, name="TVMExtReadTransposedOperand")
