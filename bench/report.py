@@ -120,5 +120,18 @@ def table_cli(argv, doc: str, analyse, markdown_of, out_help: str = "path prefix
     return args.out, result
 
 
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", help="a results JSON of bench.run; NAME.md and NAME.png are written beside it")
+    args = ap.parse_args(argv)
+    if not args.results.endswith(".json"):
+        ap.error(f"{args.results!r} is not a .json results file")
+    try:
+        print(write_reports(args.results))
+    except (OSError, ValueError) as err:
+        ap.error(f"cannot read {args.results}: {err}")
+    return 0
+
+
 if __name__ == "__main__":
-    print(write_reports(sys.argv[1]))
+    raise SystemExit(main())
