@@ -10,7 +10,7 @@ and timed with torch eager and torch.compile in this one process on the same inp
 `triton.testing.do_bench`, L2 flushed). Device time (torch.profiler, kernels back to back) is given
 beside wall time for ours and torch.compile: on small models torch.compile's wall time is its
 host's enqueueing. `ours_serial_launch` is our build without programmatic
-dependent launch (tvm_ext/passes/dependent_launch.py): each kernel waits for the one before it to
+dependent launch (tvm_ext/tir/dependent_launch.py): each kernel waits for the one before it to
 retire. Outputs are checked against eager. Per kernel of ours (torch.profiler, on the serial-launch
 build: with dependent launch a kernel's span includes its wait for the one before): time and, for
 the fused reduce kernels, GB/s. --dynamic-seq builds the LLaMA layer once
@@ -28,9 +28,9 @@ import time
 import tvm  # import TVM before torch (see the field guide)
 import tvm_ext
 from tvm import relax
-from tvm_ext.legalize import legalize_full
-from tvm_ext.passes import tir_pass_disabled
-from tvm_ext.passes.dependent_launch import dependent_launch
+from tvm_ext.relax.legalize import legalize_full
+from tvm_ext.tir import tir_pass_disabled
+from tvm_ext.tir.dependent_launch import dependent_launch
 from tvm_ext.target import without_arch_specific
 
 import torch  # noqa: E402  pylint: disable=wrong-import-order

@@ -3,7 +3,7 @@ torch.compile, timed in one process.
 
     python -m bench.gated_ab --models llama-seq512,llama-seq2048 --rounds 7 --out bench/results/NAME
 
-`ours_gated` is the pipeline as it is (tvm_ext/gated_linears.py); `ours_apart` is built with the
+`ours_gated` is the pipeline as it is (tvm_ext/relax/gated_linears.py); `ours_apart` is built with the
 joined gate and up weights concatenated, so that a second kernel reads the two halves of the
 matmul's output. The implementations take turns in each of `--rounds` rounds (medians reported, as
 bench/timeline.py does); each of ours also gets one call's kernels off the GPU timeline.
@@ -25,7 +25,7 @@ import torch  # noqa: E402  pylint: disable=wrong-import-order
 from bench.run import max_err, time_us, tvm_callable
 from bench.timeline import one_call
 from examples.torch_models import make
-from tvm_ext import gated_linears
+from tvm_ext.relax import gated_linears
 
 
 def builds(mod) -> dict:

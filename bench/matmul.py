@@ -26,7 +26,7 @@ from bench.spelled import main_module
 from schedules import matmul, wgmma_matmul
 from schedules.device import device_of
 from tvm_ext.target import without_arch_specific
-from tvm_ext.tensorize import auto_tensorize
+from tvm_ext.tir.tensorize import auto_tensorize
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16, 4096, 4096), (1024, 11008, 4096), (4096, 1000, 1024)]
 

@@ -3,7 +3,7 @@
     python -m bench.timeline --models llama-seq512,bert-seq128 --out bench/results/NAME [--rounds 5]
 
 Implementations: ours, ours built without programmatic dependent launch (`ours_serial_launch`:
-each kernel waits for the one before it to retire, tvm_ext/passes/dependent_launch.py) and
+each kernel waits for the one before it to retire, tvm_ext/tir/dependent_launch.py) and
 torch.compile. For each model and implementation: the median of `triton.testing.do_bench` (L2
 flushed before each call, as bench/e2e.py times) over `--rounds` rounds in which the
 implementations take turns (torch.compile's time moves between runs of one process by more than

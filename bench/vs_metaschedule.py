@@ -30,8 +30,8 @@ from bench.suite import SUITE, load_suite, relax_module
 from search.measure import Measurer
 from search.tasks import extract_tasks
 from search.tuner import tune_model
-from tvm_ext import welford
-from tvm_ext.intrinsics import import_tensor_intrinsics
+from tvm_ext.relax import welford
+from tvm_ext.tir.intrinsics import import_tensor_intrinsics
 
 
 def ms_target(target) -> Target:

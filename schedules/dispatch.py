@@ -21,7 +21,7 @@ STRATEGIES = {s.NAME: s for s in (warp_row, grid_reduce, grid_sync, block_row, c
 CONTRACTIONS = {s.NAME: s for s in (matmul, wgmma_matmul, conv2d)}  # GPU templates that take a whole PrimFunc
 
 
-# A symbolic row width gets one kernel per width class, chosen at run time (tvm_ext.variants).
+# A symbolic row width gets one kernel per width class, chosen at run time (tvm_ext.relax.variants).
 # No class stages its rows: TVM sizes a symbolic shared-memory stage by the whole tensor, not the
 # block's rows (seen on the H200: "Failed to set the allowed dynamic shared memory size to 1048576").
 DYNAMIC_ROW_VARIANTS = [

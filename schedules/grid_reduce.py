@@ -18,11 +18,11 @@ import tvm_ffi
 from tvm import s_tir, tirx
 
 from .analysis import ROW, ReducePattern, const_int
+from .contracts import ZEROED_INPUTS, extern_name
 from .device import Device
 from .rows import vector_choices, vector_lanes
 
 NAME = "grid_reduce"
-ZEROED_INPUTS = "tvm_ext.zeroed_inputs"  # PrimFunc attr: [(shape, dtype)] of inputs to pass zero-filled
 MIN_ROW = 16384  # shorter rows are cheaper one block each
 MAX_THREADS = 1024
 COMBINERS = {tirx.Add: "+", tirx.Max: "max", tirx.Min: "min"}
@@ -176,13 +176,6 @@ def row_element_vars(block, row, k) -> dict:
     if rest_vars:
         mapping[rest_vars[0].var] = rest
     return mapping
-
-
-def extern_name(expr) -> str | None:
-    """The function name of a `call_extern` (a template's placeholders, CUDA builtins); else None."""
-    if isinstance(expr, tvm.ir.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == "tirx.call_extern":
-        return str(expr.args[0].value)
-    return None
 
 
 def placeholder(name: str):

@@ -8,7 +8,7 @@ exp(x - max)) and the epilogue runs on each block's own chunk in the same kernel
 
 A grid barrier is only safe when every block is resident at once. The kernel is therefore
 launched cooperatively (the driver refuses a grid that cannot be co-resident instead of
-hanging); tvm_ext/passes/cooperative_launch.py asks for that launch and supplies the header.
+hanging); tvm_ext/tir/cooperative_launch.py asks for that launch and supplies the header.
 Grids are sized to half the SM's thread slots so that up to 64 registers per thread still fit.
 
 Reductions are single values (sum, max, min) or a multi-value state whose merge rule is
@@ -27,12 +27,12 @@ from tvm import s_tir, tirx
 from .analysis import ROW, ReducePattern, const_int
 from .device import Device
 from . import reducers
-from .grid_reduce import (COMBINERS, MIN_ROW, ZEROED_INPUTS, buffer_decl, combiner_parts, copy_attrs, extern_name,
+from .contracts import GRID_SYNC, ZEROED_INPUTS, extern_name
+from .grid_reduce import (COMBINERS, MIN_ROW, buffer_decl, combiner_parts, copy_attrs,
                           grid_split, map_vars, row_element_vars)
 from .rows import MAX_EPILOGUE_LANES, vector_choices, vector_lanes
 
 NAME = "grid_sync"
-GRID_SYNC = "cooperative_groups::this_grid().sync"  # printed by CUDA codegen as a call
 THREADS = 512
 
 

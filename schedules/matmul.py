@@ -22,12 +22,12 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 
+from .contracts import TENSOR_CORE_DTYPES, WIDER
+
 NAME = "matmul"
 WARP = 32
-WIDER = {"float16": "float32", "bfloat16": "float32", "int8": "int32"}  # input dtype -> accumulator dtype
 STATIC_SHARED = 48 * 1024  # bytes of static shared memory a block may declare
 MAX_SHARED = 227 * 1024  # the most shared memory a block may opt in to (sm_90: H100, H200)
-TENSOR_CORE_DTYPES = ("float16", "int8")  # operands TVM 0.27 has 16x16x16 WMMA intrinsics for (no bf16)
 
 
 def multiply_accumulate(store) -> tuple | None:
@@ -81,7 +81,7 @@ def same_extents(ivs, extents) -> bool:
 
 def _batch_axes(block) -> list:
     """The iterators before the block's row, column and k: a batch, or the parts of a split K
-    (`a[i, p * K/S + k]`, tvm_ext/split_k.py), which may join k in an operand's index."""
+    (`a[i, p * K/S + k]`, tvm_ext/relax/split_k.py), which may join k in an operand's index."""
     return [iv.var for iv in block.iter_vars[:-3]]
 
 

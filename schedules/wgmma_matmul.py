@@ -27,7 +27,7 @@ template writes the kernel itself:
 - the elementwise work FuseOps put after the matmul (the cast back to fp16, a bias, a residual, an
   activation) is computed on the accumulators as they are staged in shared memory, from where C
   is written in 16-byte stores (2-byte stores straight from the registers made BERT slower); a
-  gated epilogue (tvm_ext/gated_linears.py: SwiGLU over an interleaved gate and up) reads two
+  gated epilogue (tvm_ext/relax/gated_linears.py: SwiGLU over an interleaved gate and up) reads two
   accumulators of one thread per output element and stages half of C's columns;
 - consecutive blocks walk down `group` rows of tiles before the next column (B's columns stay in L2).
 
@@ -54,6 +54,7 @@ from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 from tvm.script import tirx as T
 
 from . import matmul
+from .contracts import GATE_RUN, WIDE_TILE, WIDE_TILE_WAVES, gate_column
 from .analysis import substitute
 
 NAME = "wgmma_matmul"
@@ -207,7 +208,7 @@ def stage_bytes(block_m: int, block_n: int) -> int:
 # x 3072 39.6 us against 42.4 in 128 x 128 tiles two per SM (-e2e-s14 against -e2e-s13). Over K =
 # 768 they were slower: BERT-128's 1024 x 3072 x 768 (with GELU) 27.9 us against 17.3
 # (-s14-timeline.json against -s13-timeline.json).
-PREFERENCE = [((128, 256), 1.9, "most", 0), ((64, 256), 0.9, "most", 3072), ((128, 128), 1, "two per SM", 0),
+PREFERENCE = [(WIDE_TILE, WIDE_TILE_WAVES, "most", 0), ((64, 256), 0.9, "most", 3072), ((128, 128), 1, "two per SM", 0),
               ((64, 128), 1, "two per SM", 0)]
 
 
@@ -267,16 +268,6 @@ def _tensor_view(load, block, inner, outer):
         return [coordinate] if lead else []
 
     return dims, strides, batch_coordinate
-
-
-GATE_RUN = 8  # columns: a gated product's joint weight alternates runs of this many gate and up rows
-
-
-def gate_column(j, half: int):
-    """C's column holding half `half` (0 the gate, 1 the up projection) of a gated output's column
-    j: the joint weight's rows alternate runs of GATE_RUN of each (tvm_ext/gated_linears.py), so
-    both halves of a column lie in the same thread's accumulators, 4 registers apart."""
-    return j // GATE_RUN * 2 * GATE_RUN + half * GATE_RUN + j % GATE_RUN
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from tvm.runtime.vm import VirtualMachine
 
 import tvm_ext
 from bench.suite import concrete_shape, load_suite, random_inputs, reference
-from tvm_ext.passes.cooperative_launch import LAUNCH_PARAMS
+from tvm_ext.tir.cooperative_launch import LAUNCH_PARAMS
 
 CASES = load_suite()
 NP_DTYPE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}

@@ -19,8 +19,8 @@ import tvm_ext
 from bench.spelled import main_module
 from schedules import attention
 from schedules.strided_view import StridedView
-from tvm_ext.attention import fuse_attention
-from tvm_ext.bindings import op_name
+from tvm_ext.relax.attention import fuse_attention
+from tvm_ext.relax.bindings import op_name
 
 SM_90A = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 CAUSAL = np.triu(np.full((64, 64), -np.inf, "float32"), 1)

@@ -21,7 +21,7 @@ KERNELS: dict = {}
 
 def expected_kernels(case) -> int:
     """One per fused function, times the width classes when the row width is symbolic, times the
-    int32 and int64 versions when any dim is (tvm_ext/narrowing.py)."""
+    int32 and int64 versions when any dim is (tvm_ext/tir/narrowing.py)."""
     symbolic_width = isinstance(case["shape"][-1], str)
     symbolic = any(isinstance(d, str) for d in case["shape"])
     return KERNELS.get(case["op"], 1) * (len(DYNAMIC_ROW_VARIANTS) if symbolic_width else 1) * (2 if symbolic else 1)
@@ -160,7 +160,7 @@ def test_reductions_over_rows_left_in_memory_read_their_chunks_as_vectors():
     reaches the reduction as 16-byte loads into registers, not one element per load: LLaMA's
     attention softmax at seq 512 (rows over two dims, so not staged) took 23 us that way, 20 now."""
     from schedules import schedule  # noqa: PLC0415
-    from tvm_ext.passes import TIR_PIPELINE  # noqa: PLC0415
+    from tvm_ext.tir import TIR_PIPELINE  # noqa: PLC0415
 
     mod = tvm.relax.transform.LegalizeOps()(relax_module("softmax", [64, 512], "float16"))
     func = next(f for gv, f in mod.functions_items() if gv.name_hint != "main")

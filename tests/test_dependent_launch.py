@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (tvm_ext/passes/dependent_launch.py): every kernel on sm_90+ waits
+"""Programmatic dependent launch (tvm_ext/tir/dependent_launch.py): every kernel on sm_90+ waits
 for the kernel before it before anything else, triggers no early launch of the next (its blocks'
 exits do), and carries the tag with which TVM's runtime launches it that way."""
 
@@ -14,9 +14,9 @@ import tvm_ext
 from bench.suite import relax_module
 from conftest import CUDA_TARGET
 from helpers import build_recording_launch
-from tvm_ext.passes import registered_tir_passes, tir_pass_disabled
-from tvm_ext.passes.cooperative_launch import COOPERATIVE_LAUNCH, DYNAMIC_SHARED_MEMORY
-from tvm_ext.passes.dependent_launch import DEPENDENT_LAUNCH, dependent_launch
+from tvm_ext.tir import registered_tir_passes, tir_pass_disabled
+from tvm_ext.tir.cooperative_launch import COOPERATIVE_LAUNCH, DYNAMIC_SHARED_MEMORY
+from tvm_ext.tir.dependent_launch import DEPENDENT_LAUNCH, dependent_launch
 
 WAIT, TRIGGER = "tvm_builtin_ptx_griddepcontrol_wait();", "tvm_builtin_ptx_griddepcontrol_launch_dependents();"
 

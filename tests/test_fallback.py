@@ -14,7 +14,9 @@ import tvm_ext
 from bench.suite import relax_module
 from schedules import (block_row, column_reduce, conv2d, cpu_rows, elementwise, grid_reduce, grid_sync, matmul,
                        warp_row, wgmma_matmul)
-from tvm_ext import fallback, passes, pipeline, welford
+from tvm_ext import fallback, pipeline
+from tvm_ext import tir as passes
+from tvm_ext.relax import welford
 
 torch = pytest.importorskip("torch")
 from examples.torch_models import BertLayer, LlamaLayer, make  # noqa: E402

@@ -15,9 +15,9 @@ from tvm.runtime.vm import VirtualMachine
 import tvm_ext
 from bench.spelled import main_module
 from schedules import dispatch, wgmma_matmul
-from schedules.wgmma_matmul import gate_column
-from tvm_ext import parallel_matmuls
-from tvm_ext.gated_linears import interleaved
+from schedules.contracts import gate_column
+from tvm_ext.relax import parallel_matmuls
+from tvm_ext.relax.gated_linears import interleaved
 from tvm_ext.introspect import cuda_kernels, cuda_source
 from tvm_ext.pipeline import fused_module
 

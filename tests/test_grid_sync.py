@@ -12,7 +12,7 @@ from bench.suite import relax_module
 from conftest import CUDA_TARGET
 from barriers import divergent_barriers
 from helpers import build_recording_launch, variance_module
-from tvm_ext.passes.cooperative_launch import COOPERATIVE_LAUNCH, DYNAMIC_SHARED_MEMORY
+from tvm_ext.tir.cooperative_launch import COOPERATIVE_LAUNCH, DYNAMIC_SHARED_MEMORY
 from tvm_ext.pipeline import fused_reduce_functions
 
 TARGET = tvm_ext.parse_target(CUDA_TARGET)

@@ -9,7 +9,7 @@ from tvm.runtime.vm import VirtualMachine
 import tvm_ext
 from bench import spelled
 from conftest import CUDA_TARGET
-from tvm_ext.half_math import half_math_in_float
+from tvm_ext.relax.half_math import half_math_in_float
 
 
 def _module(body, shapes: list, dtype: str = "float16") -> tvm.IRModule:

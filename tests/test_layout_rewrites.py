@@ -11,7 +11,7 @@ from bench.spelled import main_module
 from conftest import CUDA_TARGET
 from schedules import matmul
 from tvm_ext.introspect import cuda_source
-from tvm_ext.layout_rewrites import activation_before_reshape, read_transposed_operand
+from tvm_ext.relax.layout_rewrites import activation_before_reshape, read_transposed_operand
 
 
 def attention_scores(shape, dtype, axes=(0, 1, 3, 2), cast=False):
@@ -83,7 +83,7 @@ def test_every_tiling_of_llamas_scores_with_their_cast_builds():
     func = next(f for gv, f in tvm_ext.pipeline.fused_module(mod, target).functions_items() if "matmul_nt" in gv.name_hint)
     space = matmul.knob_space(func)
     assert len(space) >= 5
-    from tvm_ext.tensorize import auto_tensorize  # noqa: PLC0415
+    from tvm_ext.tir.tensorize import auto_tensorize  # noqa: PLC0415
 
     for knobs in space:
         scheduled = auto_tensorize(matmul.apply(func, knobs).mod["main"]).with_attr("global_symbol", "main")

@@ -10,7 +10,7 @@ from tvm import relax, tirx
 from tvm.runtime.vm import VirtualMachine
 
 import tvm_ext
-import tvm_ext.narrowing as narrowing
+import tvm_ext.tir.narrowing as narrowing
 from bench.suite import relax_module
 from conftest import CUDA_TARGET
 from tvm_ext.pipeline import fused_reduce_functions

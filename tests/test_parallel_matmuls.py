@@ -11,7 +11,7 @@ from tvm.ir.expr import GenericConst
 from tvm.runtime.vm import VirtualMachine
 
 from bench.spelled import main_module
-from tvm_ext.parallel_matmuls import combine_parallel_linears, worth_joining
+from tvm_ext.relax.parallel_matmuls import combine_parallel_linears, worth_joining
 
 RNG = np.random.default_rng(0)
 WIDE = 126 * 256

@@ -212,7 +212,7 @@ def test_spelled_forms_get_the_single_ops_schedules_on_the_suite():
 def test_a_bool_mask_in_a_fused_softmax_is_never_read_as_a_vector(rng):
     """TVM 0.27 prints a 4-lane bool load as a `ushort4` read of a byte array: wrong bytes, and a
     misaligned-address fault (our LLaMA layer at seq 512 on the H200, where the causal mask is a
-    folded bool constant). Vector loops read it as bytes instead (tvm_ext.passes.bool_vectors)."""
+    folded bool constant). Vector loops read it as bytes instead (tvm_ext.tir.bool_vectors)."""
     import re  # noqa: PLC0415
 
     n = 256

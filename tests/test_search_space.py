@@ -10,7 +10,7 @@ from bench.suite import relax_module
 from conftest import CUDA_TARGET
 from search.space import knob_space
 from search.tasks import extract_tasks
-from tvm_ext.passes import check_builds
+from tvm_ext.tir import check_builds
 
 CASES = [("layer_norm", [8192, 4096], "float16"), ("softmax", [4096, 1000], "float16"),
          ("row_sum", [64, 131072], "float32"), ("col_sum", [4096, 1024], "float32"),

@@ -15,7 +15,7 @@ from bench.matmul import template_func as legalized_matmul
 from bench.spelled import main_module
 from conftest import CUDA_TARGET
 from schedules import matmul
-from tvm_ext.tensorize import infer_fragments, match_mma
+from tvm_ext.tir.tensorize import infer_fragments, match_mma
 
 
 def linear(m, n, k):
@@ -60,7 +60,7 @@ def test_int8_rows_padded_off_16_bytes_are_refused():
 
 
 def test_what_is_not_a_tensor_core_matmul_is_left_alone(caplog):
-    caplog.set_level(logging.DEBUG, logger="tvm_ext.tensorize")
+    caplog.set_level(logging.DEBUG, logger="tvm_ext.tir.tensorize")
     assert matmul.apply(legalized_matmul(64, 64, 64, "float32", "float32"), matmul.default_knobs()) is None
     assert match_mma(legalized_matmul(64, 64, 64, "float32", "float32")) is None  # fp32 operands
     assert match_mma(scheduled(legalized_matmul(256, 512, 128), warp_m=8, block_m=32, vec=4)) is None
@@ -86,7 +86,7 @@ def test_the_plain_template_builds_to_cuda_without_tensor_cores():
 def test_thread_indices_are_unified_in_the_fragment_blocks_only():
     import tvm_ffi  # noqa: PLC0415
 
-    from tvm_ext.tensorize import unify_thread_indices  # noqa: PLC0415
+    from tvm_ext.tir.tensorize import unify_thread_indices  # noqa: PLC0415
 
     func = scheduled(legalized_matmul(256, 512, 128))
     found = match_mma(func)
@@ -125,7 +125,7 @@ def _calls(func) -> list:
 
 
 def test_lane_loops_are_scaled_to_the_warp_tile():
-    from tvm_ext.tensorize import _loops_and_bindings, scale_lane_loops  # noqa: PLC0415
+    from tvm_ext.tir.tensorize import _loops_and_bindings, scale_lane_loops  # noqa: PLC0415
 
     func = scheduled(legalized_matmul(256, 512, 128))  # thread_n = 2: a lane's 2 columns -> the warp's 64
     found = match_mma(func)
@@ -139,7 +139,7 @@ def test_lane_loops_are_scaled_to_the_warp_tile():
 
 @pytest.mark.parametrize("case", ["fp16", "weight [n, k]", "int8", "32x64x32 warp tile"])
 def test_every_fragment_block_becomes_a_wmma_intrinsic(case):
-    from tvm_ext.tensorize import auto_tensorize  # noqa: PLC0415
+    from tvm_ext.tir.tensorize import auto_tensorize  # noqa: PLC0415
 
     func = {"fp16": lambda: scheduled(legalized_matmul(256, 512, 128)),
             "weight [n, k]": lambda: scheduled(linear(128, 256, 64)),
@@ -175,9 +175,9 @@ def _allocated(func) -> list:
 
 
 def test_a_bf16_matmul_and_a_non_matmul_stay_plain(caplog):
-    from tvm_ext.tensorize import AutoTensorize, auto_tensorize  # noqa: PLC0415
+    from tvm_ext.tir.tensorize import AutoTensorize, auto_tensorize  # noqa: PLC0415
 
-    caplog.set_level(logging.DEBUG, logger="tvm_ext.tensorize")
+    caplog.set_level(logging.DEBUG, logger="tvm_ext.tir.tensorize")
     bf16 = scheduled(legalized_matmul(256, 512, 128, "bfloat16", "float32"))
     assert match_mma(bf16) is not None and auto_tensorize(bf16).same_as(bf16)
     assert "no 16x16x16 WMMA intrinsics for bfloat16" in caplog.text
@@ -190,7 +190,7 @@ def test_a_bf16_matmul_and_a_non_matmul_stay_plain(caplog):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["fp16", "weight [n, k]", "int8"])
 def test_tensorized_matmul_is_right_on_the_gpu(case, rng):
-    from tvm_ext.tensorize import auto_tensorize  # noqa: PLC0415
+    from tvm_ext.tir.tensorize import auto_tensorize  # noqa: PLC0415
 
     m, n, k = 256, 512, 128
     func, dtype = {"fp16": (legalized_matmul(m, n, k), "float16"), "weight [n, k]": (linear(m, n, k), "float16"),
@@ -230,7 +230,7 @@ def test_every_tiling_of_an_epilogue_or_batched_matmul_becomes_tensor_core_code(
     """The epilogue (cast, bias) is computed from a shared-memory stage the fragments are stored to;
     batch axes go to blockIdx.z. Every tiling that fits must build: small tiles once failed in TVM's
     StorageRewrite (an fp32 stage placed in the fp16 operand tiles)."""
-    from tvm_ext.tensorize import auto_tensorize  # noqa: PLC0415
+    from tvm_ext.tir.tensorize import auto_tensorize  # noqa: PLC0415
 
     func, built = _fused_matmul(mod), 0
     for tiling in matmul.TILINGS:
@@ -282,7 +282,7 @@ def _split_k_func(parts: int, part: int, index=lambda p, part, r: p * part + r):
 def test_split_k_partial_products_are_a_tensor_core_batch_reading_the_operands_in_place():
     """Part p reads a[i, p * K/S + k]: the template takes it with the parts on blockIdx.z; tilings
     whose k tile does not divide a part, and indices that mix rows or columns into k, are refused."""
-    from tvm_ext.tensorize import auto_tensorize  # noqa: PLC0415
+    from tvm_ext.tir.tensorize import auto_tensorize  # noqa: PLC0415
 
     func = _split_k_func(4, 512)
     knobs = matmul.tiling_knobs(16, 16, 2, 2, 64, 4)
@@ -302,7 +302,7 @@ def test_split_k_partial_products_are_a_tensor_core_batch_reading_the_operands_i
 
 
 def test_a_few_row_matmul_is_split_along_k_into_a_tensor_core_batch_and_a_serial_column_sum():
-    from tvm_ext.split_k import parts  # noqa: PLC0415
+    from tvm_ext.relax.split_k import parts  # noqa: PLC0415
 
     # 16 x 64 one-warp tiles for 132 SMs: parts until 1.5 blocks per SM, each at least 512 of K
     assert [parts(16, 4096, 4096, 132), parts(16, 11008, 4096, 132), parts(16, 512, 2048, 132)] == [4, 2, 4]
@@ -337,7 +337,7 @@ def test_fragment_loads_join_the_software_pipeline(stages, outer):
     """Two 16-wide steps of k per shared tile: the fragments of the next step load while the tensor
     cores work on this one (two fragment buffers per operand in the CUDA), and the pass rewrites the
     schedule's pipeline over k-tiles to take the fragment loads in."""
-    from tvm_ext.tensorize import auto_tensorize  # noqa: PLC0415
+    from tvm_ext.tir.tensorize import auto_tensorize  # noqa: PLC0415
 
     func = scheduled(legalized_matmul(512, 512, 256), block_m=128, warp_m=64, warp_n=2, block_n=128, block_k=32,
                      stages=stages)
@@ -353,7 +353,7 @@ def test_fragment_loads_join_the_software_pipeline(stages, outer):
 
 
 def test_one_k_step_per_tile_is_not_pipelined_further():
-    from tvm_ext.tensorize import auto_tensorize  # noqa: PLC0415
+    from tvm_ext.tir.tensorize import auto_tensorize  # noqa: PLC0415
 
     func = scheduled(legalized_matmul(512, 512, 256), block_k=16, stages=3)
     assert list(_pipeline_annotations(auto_tensorize(func)).values()) == [((0, 0, 2), (0, 1, 2))]
@@ -365,7 +365,7 @@ def test_every_tiling_is_right_on_the_gpu(dtype, acc, rng):
     """Each tiling of TILINGS that fits, with its pipelined copies and fragment loads, gives the
     exact product of small integers (a race between a fragment load and the copy that refills its
     shared tile would show as wrong sums)."""
-    from tvm_ext.tensorize import auto_tensorize  # noqa: PLC0415
+    from tvm_ext.tir.tensorize import auto_tensorize  # noqa: PLC0415
 
     m, n, k = 512, 512, 512
     func, dev = legalized_matmul(m, n, k, dtype, acc), tvm.cuda()
@@ -427,7 +427,7 @@ def test_a_matmul_that_tiles_do_not_divide_is_padded_and_its_edge_writes_are_bou
     func = legalized_matmul(4096, 1000, 1000)
     knobs, sch = matmul.heuristic(func, 132)
     assert _copy_out_bounds(sch.mod["main"]) and all("1000" in p for p in _copy_out_bounds(sch.mod["main"]))
-    tensorized = tvm_ext.tensorize.auto_tensorize(sch.mod["main"])
+    tensorized = tvm_ext.tir.tensorize.auto_tensorize(sch.mod["main"])
     with tvm.transform.PassContext(config={"tirx.use_async_copy": True}):
         lib = tvm.compile(tvm.IRModule({"main": tensorized.with_attr("global_symbol", "main")}),
                           target=tvm_ext.parse_target(CUDA_TARGET))
@@ -447,7 +447,7 @@ def test_rows_that_are_not_whole_copy_vectors_stay_with_dlight():
 def test_padded_matmuls_are_right_on_the_gpu(m, n, k, rng):
     """Every tiling of an odd shape gives the exact product (a write past C's rows would show in
     the next row; a missing zero fill, as garbage in the sums)."""
-    from tvm_ext.tensorize import auto_tensorize  # noqa: PLC0415
+    from tvm_ext.tir.tensorize import auto_tensorize  # noqa: PLC0415
 
     func, dev = legalized_matmul(m, n, k), tvm.cuda()
     a, b = rng.integers(-3, 4, [m, k]).astype("float16"), rng.integers(-3, 4, [k, n]).astype("float16")
@@ -473,7 +473,7 @@ def test_the_heuristic_prefers_tiles_that_divide_c_over_padded_ones():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile the CUDA source")
 def test_every_int8_tiling_of_a_32_row_product_compiles_with_nvcc():
     """Padded int8 tiles are refused: TVM 0.27 prints their zero fill as make_int2 of 8 chars."""
-    from tvm_ext.tensorize import auto_tensorize  # noqa: PLC0415
+    from tvm_ext.tir.tensorize import auto_tensorize  # noqa: PLC0415
 
     func = legalized_matmul(32, 512, 512, "int8", "int32")
     space = matmul.knob_space(func)

@@ -28,10 +28,10 @@ else:
     from .api import build, export
     from .fallback import FallbackWarning
     from .frontend import ExportError, UnsupportedOperatorError, from_torch
-    from .passes import register_tir_pass, unregister_tir_pass
+    from .tir import register_tir_pass, unregister_tir_pass
     from .pipeline import PIPELINE, register, tvm_ext_pipeline
     from .target import parse_target
-    from . import welford
+    from .relax import welford
 
     register()
     welford.register()

@@ -7,8 +7,8 @@ import os
 import tvm
 from tvm import relax
 
-from .intrinsics import import_tensor_intrinsics
-from .passes import TIR_PIPELINE
+from .tir.intrinsics import import_tensor_intrinsics
+from .tir import TIR_PIPELINE
 from .pipeline import tvm_ext_pipeline
 from .target import parse_target
 

@@ -13,7 +13,7 @@ the AutoTensorize TIR pass; on sm_90a fp16 matmuls take the wgmma template, whic
 rules for the rest (GPU; elementwise functions read along their innermost axis get vector accesses,
 schedules/elementwise.py, before dlight's fallback)
 -> int32 indices where safe, int32/int64 twins where shapes are symbolic (narrowing.py) ->
-CallTIRRewrite -> VM finalisation. The TIR passes of `tvm_ext.passes` run later, inside
+CallTIRRewrite -> VM finalisation. The TIR passes of `tvm_ext.tir` run later, inside
 `tvm.compile`, under the TIR pipeline of the same name.
 """
 
@@ -31,22 +31,23 @@ import schedules
 from schedules.analysis import is_reduce_subgraph
 from schedules.device import device_of
 from schedules.elementwise import Elementwise
-from schedules.grid_reduce import ZEROED_INPUTS
+from schedules.contracts import ZEROED_INPUTS
 
-from . import fallback, welford
-from .attention import fuse_attention
-from .gated_linears import fuse_gated_epilogues
-from .half_math import half_math_in_float
-from .legalize import legalizations
-from .narrowing import OURS, narrow_indices
-from .passes import BUILT_BY_US, check_builds
-from .parallel_matmuls import combine_parallel_linears
+from . import fallback
+from .relax import welford
+from .relax.attention import fuse_attention
+from .relax.gated_linears import fuse_gated_epilogues
+from .relax.half_math import half_math_in_float
+from .relax.legalize import legalizations
+from .tir.narrowing import OURS, narrow_indices
+from .tir import BUILT_BY_US, check_builds
+from .relax.parallel_matmuls import combine_parallel_linears
 from .records import Database
-from .reduce_fusion import FuseReduceGroups, max_from_top_one, reductions_apart
-from .split_k import legalization as split_k_legalization
+from .relax.reduce_fusion import FuseReduceGroups, max_from_top_one, reductions_apart
+from .relax.split_k import legalization as split_k_legalization
 from .target import without_arch_specific
-from .layout_rewrites import activation_before_reshape, read_transposed_operand
-from .variants import rewrite_call_sites
+from .relax.layout_rewrites import activation_before_reshape, read_transposed_operand
+from .relax.variants import rewrite_call_sites
 
 PIPELINE = "tvm_ext"
 SCHEDULED = "tirx.is_scheduled"
@@ -219,7 +220,7 @@ def _first_schedule(name: str, func: tirx.PrimFunc, target: Target, rules) -> s_
 
 @tvm.transform.module_pass(opt_level=0, name="TVMExtMarkKernels")
 def _marked_for_our_tir_pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    """Every kernel marked BUILT_BY_US: TVM's default TIR pipeline then runs ours (tvm_ext/passes)."""
+    """Every kernel marked BUILT_BY_US: TVM's default TIR pipeline then runs ours (tvm_ext/tir)."""
     for gv, func in list(mod.functions_items()):
         if isinstance(func, tirx.PrimFunc):
             mod.update_func(gv, func.with_attr(BUILT_BY_US, True))

@@ -24,8 +24,7 @@ from schedules import attention
 from schedules.device import device_of
 from schedules.strided_view import StridedView
 
-from .bindings import Bindings, op_name
-from .layout_rewrites import static_shape
+from .bindings import Bindings, op_name, static_shape
 from .legalize import legalizations
 from .reduce_fusion import OPAQUE
 

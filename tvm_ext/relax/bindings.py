@@ -1,10 +1,14 @@
 """What the Relax rewrites of this package ask of a function's bindings: which op a value calls,
-what each variable is bound to, and who uses it (a rewrite may only fold away a value nothing else reads)."""
+what each variable is bound to, and who uses it (a rewrite may only fold away a value nothing else
+reads); the shapes of its values."""
 
 from __future__ import annotations
 
 import tvm
 from tvm import relax
+
+
+CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 
 def op_name(expr) -> str:
@@ -37,3 +41,17 @@ class Bindings:
 
     def producer(self, expr):
         return self.value.get(expr) if isinstance(expr, relax.Var) else None
+
+
+def shape_of(expr) -> list | None:
+    """A tensor's dims, ints where static, None when its rank is unknown."""
+    shape = expr.ty.shape
+    return None if shape is None else [int(d) if isinstance(d, tvm.tirx.IntImm) else d for d in shape.values]
+
+
+def static_shape(expr) -> list[int] | None:
+    """A tensor's dims when all are static, else None."""
+    if not isinstance(expr.ty, relax.TensorType) or not isinstance(expr.ty.shape, relax.ShapeExpr):
+        return None
+    dims = shape_of(expr)
+    return dims if dims is not None and all(isinstance(d, int) for d in dims) else None

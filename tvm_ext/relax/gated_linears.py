@@ -9,7 +9,7 @@ had written twice the bytes the MLP goes on with. Two steps put that work in the
 * the joint weight's rows alternate runs of GATE_RUN rows of each layer (`interleaved`), and each
   layer's result is a view of the joint output reading every other run (`half_view`). A tile of C
   then holds both halves of the same output columns, in the same thread's accumulators
-  (schedules/wgmma_matmul.gate_column);
+  (schedules/contracts.gate_column);
 * after FuseOps, the matmul's group and the one group reading its output through those views
   become one function (`fuse_gated_epilogues`). The wgmma template writes it as a matmul whose
   epilogue reads two accumulators per output element and stores half of C's columns.
@@ -25,7 +25,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from schedules.wgmma_matmul import GATE_RUN, gate_column
+from schedules.contracts import GATE_RUN, gate_column
 
 from .bindings import Bindings
 from .reduce_fusion import INJECTIVE, kernel_calls, merged_call, op_pattern, with_blocks

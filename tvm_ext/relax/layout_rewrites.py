@@ -35,7 +35,8 @@ from tvm.target import Target
 
 from schedules.device import device_of
 
-from .bindings import op_name
+from .bindings import op_name, shape_of, static_shape
+from .split_k import MAX_ROWS
 
 ACTIVATIONS = {"relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.silu", "relax.nn.relu", "relax.sigmoid",
                "relax.tanh"}
@@ -46,20 +47,6 @@ def matmul_nt_te(a: te.Tensor, b: te.Tensor, out_dtype: str) -> te.Tensor:
     k = te.reduce_axis((0, a.shape[-1]), name="k")
     return te.compute((*a.shape[:-1], b.shape[-2]), lambda *i: te.sum(
         a[(*i[:-1], k)].astype(out_dtype) * b[(*i[:-2], i[-1], k)].astype(out_dtype), axis=k), name="matmul")
-
-
-def shape_of(expr) -> list | None:
-    """A tensor's dims, ints where static, None when its rank is unknown."""
-    shape = expr.ty.shape
-    return None if shape is None else [int(d) if isinstance(d, tvm.tirx.IntImm) else d for d in shape.values]
-
-
-def static_shape(expr) -> list[int] | None:
-    """A tensor's dims when all are static, else None."""
-    if not isinstance(expr.ty, relax.TensorType) or not isinstance(expr.ty.shape, relax.ShapeExpr):
-        return None
-    dims = shape_of(expr)
-    return dims if dims is not None and all(isinstance(d, int) for d in dims) else None
 
 
 @mutator
@@ -108,8 +95,6 @@ class _ReadTransposedOperand(PyExprMutator):
 def _wgmma_sized(call) -> bool:
     """Whether a 2-D matmul is one the wgmma template takes whole: fp16 into float32, static sizes,
     K and N of whole 64-element tiles, more rows than split-K's few (those keep TVM's legalization)."""
-    from .split_k import MAX_ROWS  # split_k reads shapes with this module's helpers
-
     sa, sb = static_shape(call.args[0]), static_shape(call.args[1])
     return sa is not None and sb is not None and len(sa) == len(sb) == 2 and str(call.args[0].ty.dtype) == "float16" \
         and str(call.attrs.out_dtype) == "float32" and sa[0] > MAX_ROWS and sa[1] % 64 == 0 and sb[1] % 64 == 0

@@ -28,12 +28,11 @@ from tvm import relax
 from tvm.ir.expr import GenericConst  # relax constants in 0.27
 from tvm.target import Target
 
-from schedules import wgmma_matmul
+from schedules.contracts import WIDE_TILE, WIDE_TILE_WAVES
 from schedules.device import device_of
 
 from . import gated_linears
-from .bindings import Bindings, op_name
-from .layout_rewrites import shape_of, static_shape
+from .bindings import Bindings, op_name, shape_of, static_shape
 
 LOG = logging.getLogger(__name__)
 
@@ -75,9 +74,9 @@ def _linears(func: relax.Function) -> dict:
 
 def worth_joining(rows: int, columns: int, sm_count: int) -> bool:
     """Whether a [rows, columns] output gives the waves of large tiles the wgmma heuristic wants
-    before it takes them (wgmma_matmul.PREFERENCE's first entry)."""
-    (block_m, block_n), waves, *_ = wgmma_matmul.PREFERENCE[0]
-    return -(-rows // block_m) * -(-columns // block_n) >= waves * sm_count
+    before it takes them."""
+    block_m, block_n = WIDE_TILE
+    return -(-rows // block_m) * -(-columns // block_n) >= WIDE_TILE_WAVES * sm_count
 
 
 @relax.expr_functor.mutator

@@ -38,8 +38,9 @@ from tvm import relax, s_tir, tirx
 
 from schedules.analysis import const_int, is_reduce_subgraph, substitute
 
+from .bindings import CALL_TIR
 
-CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+
 TOPK = tvm.ir.Op.get("relax.topk")
 ELEMENTWISE = 1  # op_pattern: 0 elementwise, 1 broadcast
 INJECTIVE = 2

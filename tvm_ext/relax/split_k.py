@@ -16,8 +16,9 @@ import tvm
 from tvm import relax, te, topi
 
 from schedules import matmul
+from schedules.contracts import TENSOR_CORE_DTYPES, WIDER
 
-from .layout_rewrites import shape_of
+from .bindings import shape_of
 
 SMALLEST_TILE = (16, 64)  # rows x columns of the matmul template's one-warp tile
 K_TILE = 64  # k per step of the few-row tilings: a part must hold whole steps
@@ -57,7 +58,7 @@ def legalization(sm_count: int):
         sa, sb, out = shape_of(a), shape_of(b), str(call.attrs.out_dtype)
         count = 1
         if len(sa or []) == len(sb or []) == 2 and all(isinstance(d, int) for d in sa + sb) \
-                and str(a.ty.dtype) in matmul.TENSOR_CORE_DTYPES and matmul.WIDER[str(a.ty.dtype)] == out \
+                and str(a.ty.dtype) in TENSOR_CORE_DTYPES and WIDER[str(a.ty.dtype)] == out \
                 and b.ty.dtype == a.ty.dtype:
             count = parts(sa[0], sb[1], sa[1], sm_count)
         if count > 1:  # only what the matmul template then takes (else TVM's default schedules it)

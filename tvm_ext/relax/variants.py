@@ -17,9 +17,10 @@ from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from schedules.analysis import substitute
-from schedules.grid_reduce import ZEROED_INPUTS
+from schedules.contracts import ZEROED_INPUTS
 
-CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+from .bindings import CALL_TIR
+
 
 
 def _tensor_types(ty) -> list:

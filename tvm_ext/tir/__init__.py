@@ -7,7 +7,7 @@ pipeline runs it too, with a warning, for a module the Relax pipeline "tvm_ext" 
 - "early": every scheduled PrimFunc, still in SBlock form, before TVM lowers it;
 - "late": every device kernel after host/device splitting, just before codegen.
 
-Built in: `narrow_index` (early) rewrites the kernels tvm_ext/narrowing.py marked to int32 indices;
+Built in: `narrow_index` (early) rewrites the kernels narrowing.py marked to int32 indices;
 `AutoTensorize` (early) makes tensor-core code of the matmul template's schedules (tensorize.py);
 `bool_loads_as_bytes_pass` (early) reads bool buffers in vector loops as bytes and
 `uniform_selects_as_branches_pass` (late) selects vectors on one bool as a branch (TVM's CUDA codegen misprints both);
@@ -146,7 +146,7 @@ def _register_builtin_passes() -> None:
     from .source_hook import register_source_hook  # noqa: PLC0415
     from .welford_lower import welford_lower  # noqa: PLC0415
 
-    from ..tensorize import AutoTensorize  # noqa: PLC0415
+    from .tensorize import AutoTensorize  # noqa: PLC0415
 
     register_tir_pass(narrow_index, phase="early")
     register_tir_pass(AutoTensorize, phase="early")

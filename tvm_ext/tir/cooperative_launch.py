@@ -1,6 +1,6 @@
 """Grid-wide barriers in TIR: the cooperative launch they need and the header they call into.
 
-A template writes the barrier as `T.call_extern("void", schedules.grid_sync.GRID_SYNC)`, which
+A template writes the barrier as `T.call_extern("void", schedules.contracts.GRID_SYNC)`, which
 CUDA codegen prints as `cooperative_groups::this_grid().sync();`. Two things make that legal:
 
 - the kernel must be launched with `cuLaunchCooperativeKernel`, which guarantees (or refuses)
@@ -18,8 +18,7 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
-from schedules.grid_reduce import extern_name
-from schedules.grid_sync import GRID_SYNC
+from schedules.contracts import GRID_SYNC, extern_name
 
 COOPERATIVE_LAUNCH = "tirx.use_cooperative_launch"
 DYNAMIC_SHARED_MEMORY = "tirx.use_dyn_shared_memory"  # TVM requires this tag to stay last

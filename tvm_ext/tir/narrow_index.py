@@ -1,4 +1,4 @@
-"""The int32 rewrite of the kernels tvm_ext/narrowing.py marked safe for it (early TIR phase).
+"""The int32 rewrite of the kernels narrowing.py marked safe for it (early TIR phase).
 
 Cross-thread reductions are lowered first (TVM's LowerCrossThreadReduction, which the default
 lowering would run next anyway): TVM's ForceNarrowIndexToInt32 folds `x + 0.0` while it rebuilds
@@ -10,7 +10,7 @@ from __future__ import annotations
 import tvm
 from tvm import s_tir, tirx
 
-from ..narrowing import NARROW
+from .narrowing import NARROW
 
 
 @tvm.transform.module_pass(opt_level=0, name="TVMExtNarrowIndex")

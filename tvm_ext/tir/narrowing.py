@@ -11,7 +11,7 @@ element counts of the buffers it touches and the number of threads it launches.
   NARROW here, once cross-thread reductions are lowered: it folds `x + 0.0`, after which TVM
   no longer recognises a Welford update as its registered reducer.
 - Bounds over symbolic dims (n * 4096): the kernel is built twice, int32 and int64, and each call
-  site chooses on the run-time shape with an `if` in the VM's host code (tvm_ext/variants.py, the
+  site chooses on the run-time shape with an `if` in the VM's host code (tvm_ext/relax/variants.py, the
   mechanism that also picks width classes): the check costs a compare, not a kernel.
 
 It runs in the Relax pipeline after every kernel is scheduled, on the kernels our templates
@@ -26,9 +26,9 @@ import tvm
 import tvm_ffi
 from tvm import relax, tirx
 
-from schedules.grid_reduce import ZEROED_INPUTS
+from schedules.contracts import ZEROED_INPUTS
 
-from .variants import rewrite_call_sites
+from ..relax.variants import rewrite_call_sites
 
 LIMIT = 2**31  # int32 indices hold element counts below this
 SUFFIX = "_i32"

@@ -42,7 +42,8 @@ from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 from tvm.s_tir.stmt import SBlock, SBlockRealize
 
 from schedules.analysis import substitute
-from schedules.matmul import TENSOR_CORE_DTYPES, WARP, multiply_accumulate
+from schedules.contracts import TENSOR_CORE_DTYPES
+from schedules.matmul import WARP, multiply_accumulate
 
 from .intrinsics import import_tensor_intrinsics
 
@@ -111,7 +112,7 @@ def _coefficient(expr, var) -> int | None:
 
 
 def _no_match(func_name: str, why: str) -> None:
-    LOG.debug("tvm_ext.tensorize: %s stays plain CUDA: %s", func_name, why)
+    LOG.debug("tvm_ext.tir.tensorize: %s stays plain CUDA: %s", func_name, why)
 
 
 def match_mma(func: tirx.PrimFunc, name: str = "main") -> MmaMatch | None:

@@ -1,6 +1,6 @@
 """WelfordLower: the Welford reciprocal 1/max(n, 1) as CUDA's fast approximate reciprocal.
 
-The Welford legalization (tvm_ext/welford.py) gives TVM one comm-reducer whose combine rule
+The Welford legalization (tvm_ext/relax/welford.py) gives TVM one comm-reducer whose combine rule
 serves both halves of a GPU reduction: TVM's cross-thread lowering (warp shuffles, one shared
 memory round, and our grid templates) merges per-thread states by the parallel rule, and each
 thread's serial loop merges single elements, where the same rule simplifies to the streaming
