@@ -60,16 +60,16 @@ def test_a_latency_that_is_not_a_finite_positive_number_is_skipped_and_named(tmp
     assert str(caught[0].message) == f"tvm_ext: skipped 1 unusable line(s) of tuning log {log}: line 2: {problem}"
 
 
-def test_a_failed_measurement_needs_an_error_text_and_no_latency(tmp_path):
+def test_a_failed_measurement_needs_an_error_text_and_is_never_the_best(tmp_path):
     _, task = softmax()
     log = tmp_path / "log.json"
-    append_record(log, task.func, TARGET, task.name, GOOD, None, "timed out after 60 s")
-    log.write_text(log.read_text() + _line(log, us=5.0) + "\n" + _line(log, error=True) + "\n")
-    with pytest.warns(UserWarning, match=r"skipped 2 unusable line\(s\) of tuning log .*log.json: "
-                                         r"line 2: error 'timed out after 60 s' beside latency 5.0; "
-                                         r"line 3: error True beside latency None$"):
-        records = list(read_records(log))
-    assert [r["error"] for r in records] == ["timed out after 60 s"]
+    append_record(log, task.func, TARGET, task.name, GOOD, 30.0)
+    append_record(log, task.func, TARGET, task.name, {"strategy": "cpu_rows", "lanes": 64}, 5.0, "wrong result")
+    log.write_text(log.read_text() + _line(log, us=1.0, error=True) + "\n")
+    with pytest.warns(UserWarning, match=r"skipped 1 unusable line\(s\) of tuning log .*log.json: "
+                                         r"line 3: error True is not a text$"):
+        db = Database.load(log)
+    assert db.best == {task.key: (30.0, GOOD)}
 
 
 def test_undecodable_bytes_are_skipped_with_the_log_and_line_named(tmp_path):

@@ -56,8 +56,8 @@ SHOWN = 5  # skipped lines named in a warning (the rest are counted)
 
 def record_problem(rec) -> str | None:
     """Why a parsed log line is not a usable record, or None when it is: a failed measurement has
-    an error text and no latency, a successful one a finite positive latency (JSON also spells
-    NaN, Infinity, true and strings)."""
+    an error text, a successful one a finite positive latency (JSON also spells NaN, Infinity,
+    true and strings)."""
     if not isinstance(rec, dict):
         return "not a JSON object"
     if rec.get("version") != VERSION or rec.get("tvm") != tvm.__version__:
@@ -66,9 +66,9 @@ def record_problem(rec) -> str | None:
         return "no task key"
     if not isinstance(rec.get("knobs"), dict):
         return f"knobs {rec.get('knobs')!r} are not a JSON object"
-    us = rec.get("us")
-    if rec.get("error") is not None:
-        return None if isinstance(rec["error"], str) and us is None else f"error {rec['error']!r} beside latency {us!r}"
+    error, us = rec.get("error"), rec.get("us")
+    if error is not None:  # a failure, whatever latency it carries (timed, then found wrong)
+        return None if isinstance(error, str) else f"error {error!r} is not a text"
     if type(us) not in (int, float) or not math.isfinite(us) or us <= 0:
         return f"latency {us!r} is not a finite positive number"
     return None
