@@ -110,6 +110,23 @@ def heuristic_knobs(func: tirx.PrimFunc, target: Target) -> dict | None:
     return found[0] if found else None
 
 
+def knobs_problem(func: tirx.PrimFunc, target: Target, knobs: dict) -> str | None:
+    """Why a tuning record's `knobs` cannot schedule `func` on `target`, or None when they are a
+    point of their strategy's space there (the points the tuner measures)."""
+    name, device = knobs.get("strategy"), device_of(target)
+    if name in CONTRACTIONS:
+        template = contraction_template(func, target) if device.is_gpu else None
+        if CONTRACTIONS[name] is not template:
+            return f"are for the {name} template, which this target does not use for this function"
+        points = template.knob_space(func)
+    elif name in STRATEGIES:
+        pattern = match(func)
+        points = [] if pattern is None else STRATEGIES[name].knob_space(pattern, device)
+    else:
+        return f"name no strategy of tvm_ext (known: {', '.join([*STRATEGIES, *CONTRACTIONS])})"
+    return None if knobs in points else f"are not a point of the {name} strategy's space for this function on this target"
+
+
 def schedule(func: tirx.PrimFunc, target: Target, knobs: dict | None = None) -> s_tir.Schedule | None:
     """Schedule `func` with `knobs` (or the heuristic's); None when no strategy of ours fits."""
     if knobs and knobs.get("strategy") in CONTRACTIONS and CONTRACTIONS[knobs["strategy"]] is not contraction_template(func, target):

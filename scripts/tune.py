@@ -20,7 +20,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.suite import load_suite, relax_module  # noqa: E402
-from search.tuner import model_path, tune_model  # noqa: E402
+from search.tuner import check_log, model_path, tune_model  # noqa: E402
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
@@ -91,9 +91,10 @@ def main() -> int:
     args = ap.parse_args()
     target = json.loads(args.target) if args.target.startswith("{") else args.target
     try:
+        check_log(args.log, args.resume)  # before the model loads: a log that cannot take records stops here
         reports = tune_model(load_model(args.model), target, args.trials, args.log, args.resume,
                              args.warm_start, parse_dims(args.dims), args.builders, args.timeout, args.batch)
-    except (ValueError, FileExistsError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:
         print(f"tune.py: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

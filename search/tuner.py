@@ -46,15 +46,39 @@ class TaskReport:
         return self.heuristic_us / self.best_us if self.heuristic_us else None
 
 
-def _open_log(log: str, resume: bool) -> list[dict]:
+def check_log(log: str, resume: bool) -> None:
+    """Refuse, with one line naming it, a log that this run could not append to (a directory, an
+    unwritable file or folder), one to resume that does not exist, or one not to resume that does:
+    before any work, so that no measurement is lost to a log that cannot take it."""
+    if os.path.isdir(log):
+        raise IsADirectoryError(f"tuning log {log!r} is a directory: name a log file")
     if resume:
         if not os.path.isfile(log):
             raise FileNotFoundError(f"cannot resume: tuning log {log!r} does not exist")
-        return list(read_records(log))
+        try:
+            open(log, "ab").close()  # appends nothing: only asks for write access
+        except OSError as err:
+            raise PermissionError(f"tuning log {log!r} is not writable ({err.strerror})") from None
+        return
     if os.path.exists(log):
         raise FileExistsError(f"tuning log {log!r} already exists: resume it (--resume) or name a new log")
-    os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
-    open(log, "a", encoding="utf-8").close()  # a run stopped before its first record can still be resumed
+    folder = os.path.dirname(os.path.abspath(log))
+    while not os.path.exists(folder):  # the nearest existing folder is where the log's folders would be made
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(f"tuning log {log!r} cannot be created: {folder!r} is not a writable folder")
+
+
+def _open_log(log: str, resume: bool) -> list[dict]:
+    """The log's records (resumed), or a new empty log (a run stopped before its first record can
+    still be resumed); check_log has passed it."""
+    if resume:
+        return list(read_records(log))
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
+        open(log, "a", encoding="utf-8").close()
+    except OSError as err:
+        raise PermissionError(f"tuning log {log!r} cannot be created ({err.strerror})") from None
     return []
 
 
@@ -64,6 +88,7 @@ def tune_model(mod, target, trials: int, log: str, resume: bool = False, warm_st
     """Tune every task of `mod` (or of a list of modules) with at most `trials` measurements in all."""
     if trials < 0:
         raise ValueError(f"trials must be >= 0, not {trials}")
+    check_log(log, resume)
     target = parse_target(target)
     tasks = extract_tasks(mod, target)
     if not tasks:

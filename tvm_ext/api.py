@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import tvm
@@ -10,7 +11,10 @@ from tvm import relax
 from .tir.intrinsics import import_tensor_intrinsics
 from .tir import TIR_PIPELINE
 from .pipeline import tvm_ext_pipeline
+from .records import Database
 from .target import parse_target
+
+logger = logging.getLogger(__name__)
 
 
 def _check_module(mod) -> None:
@@ -25,14 +29,22 @@ def build(mod: tvm.IRModule, target, database=None, **options):
     """Compile a Relax module with the tvm_ext pipeline; returns a `relax.VMExecutable`.
 
     `target`: a Target, a JSON dict, "cuda" (this machine's GPU) or "llvm".
-    `database`: path of a tuning log written by scripts/tune.py, or None for heuristic schedules.
+    `database`: path of a tuning log written by scripts/tune.py, or None for heuristic schedules;
+    how many functions took one of its records is logged, and a log none matched is a warning.
     """
     _check_module(mod)
     target = parse_target(target)
     if "gpu" in target.keys:
         import_tensor_intrinsics()  # dlight's matmul rule would import them, 10-25x slower
+    if database is not None and not isinstance(database, Database):
+        database = Database.load(database)
     pipeline = tvm_ext_pipeline(database, **options)
-    return tvm.compile(mod, target=target, relax_pipeline=pipeline, tir_pipeline=TIR_PIPELINE)
+    executable = tvm.compile(mod, target=target, relax_pipeline=pipeline, tir_pipeline=TIR_PIPELINE)
+    if database is not None:
+        logger.info("tvm_ext: %d of %d task(s) took a record of tuning log %s", len(database.taken),
+                    len(database.asked), database.path)
+        database.warn_if_unmatched()
+    return executable
 
 
 def export(executable, path: str | os.PathLike) -> str:

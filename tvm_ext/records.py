@@ -12,14 +12,17 @@ A failed measurement has "us": null and an "error"; the reader passes over it (i
 "features" is what the tuner's cost model saw (so a later run trains on the log without the
 models that produced it); the pipeline ignores it.
 
-A line that does not parse, or comes from another TVM version, is skipped with a warning:
-it must never be misapplied, and it must never stop a build.
+A line that is not UTF-8 or JSON, comes from another TVM version, or whose latency is not a
+finite positive number is skipped, and so, at build time, is a record whose knobs are no point of
+its strategy's space for the function and target (the heuristic schedules it): with a warning
+naming the log and line. A record must never be misapplied, and must never stop a build.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import time
 import warnings
@@ -30,6 +33,8 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 from tvm.target import Target
+
+from schedules.dispatch import knobs_problem
 
 VERSION = 1
 
@@ -46,69 +51,129 @@ def task_key(func: tirx.PrimFunc, target: Target) -> str:
     return f"{digest & (2**64 - 1):016x}-{target_name(target)}"
 
 
-def _usable(rec) -> bool:
-    return (isinstance(rec, dict) and rec.get("version") == VERSION and rec.get("tvm") == tvm.__version__
-            and isinstance(rec.get("key"), str) and isinstance(rec.get("knobs"), dict)
-            and (rec.get("error") is not None or isinstance(rec.get("us"), (int, float))))
+SHOWN = 5  # skipped lines named in a warning (the rest are counted)
 
 
-def read_records(path: str | os.PathLike) -> Iterator[dict]:
-    """Every usable record of a log, in order (failed measurements included: they carry "error").
+def record_problem(rec) -> str | None:
+    """Why a parsed log line is not a usable record, or None when it is: a failed measurement has
+    an error text, a successful one a finite positive latency (JSON also spells NaN, Infinity,
+    true and strings)."""
+    if not isinstance(rec, dict):
+        return "not a JSON object"
+    if rec.get("version") != VERSION or rec.get("tvm") != tvm.__version__:
+        return f"written by version {rec.get('version')!r} under TVM {rec.get('tvm')!r}, not {VERSION} under {tvm.__version__}"
+    if not isinstance(rec.get("key"), str):
+        return "no task key"
+    if not isinstance(rec.get("knobs"), dict):
+        return f"knobs {rec.get('knobs')!r} are not a JSON object"
+    error, us = rec.get("error"), rec.get("us")
+    if error is not None:  # a failure, whatever latency it carries (timed, then found wrong)
+        return None if isinstance(error, str) else f"error {error!r} is not a text"
+    if type(us) not in (int, float) or not math.isfinite(us) or us <= 0:
+        return f"latency {us!r} is not a finite positive number"
+    return None
 
-    Lines that do not parse or that another version wrote are skipped, with one warning at the end.
-    """
+
+def numbered_records(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+    """(line number, record) of every usable record of a log, in order (failed measurements
+    included: they carry "error"). Unusable lines are skipped, with one warning at the end naming
+    the log and the first few lines with what is wrong with each."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"tuning log {path!r} is a directory, not a log file")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"tuning log {path!r} does not exist")
-    skipped = 0
-    with open(path, encoding="utf-8") as log:
-        for line in log:
+    skipped = []
+    with open(path, "rb") as log:
+        for number, raw in enumerate(log, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                skipped.append(f"line {number}: not UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})")
+                continue
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except ValueError:
-                rec = None
-            if _usable(rec):
-                yield rec
+                skipped.append(f"line {number}: not JSON")
+                continue
+            problem = record_problem(rec)
+            if problem is None:
+                yield number, rec
             else:
-                skipped += 1
+                skipped.append(f"line {number}: {problem}")
     if skipped:
-        warnings.warn(f"tvm_ext: skipped {skipped} unusable line(s) of tuning log {path}", stacklevel=2)
+        more = f"; {len(skipped) - SHOWN} more" if len(skipped) > SHOWN else ""
+        warnings.warn(f"tvm_ext: skipped {len(skipped)} unusable line(s) of tuning log {path}: "
+                      f"{'; '.join(skipped[:SHOWN])}{more}", stacklevel=3)
+
+
+def read_records(path: str | os.PathLike) -> Iterator[dict]:
+    """Every usable record of a log, in order (see numbered_records)."""
+    for _, rec in numbered_records(path):
+        yield rec
 
 
 @dataclass
 class Database:
-    """Best knobs per task key, read from one log file."""
+    """Best knobs per task key, read from one log file; counts the functions it is asked about and
+    those that take a record."""
 
     path: str
     best: dict = field(default_factory=dict)  # key -> (us, knobs)
+    lines: dict = field(default_factory=dict)  # key -> line of its best record in the log
     targets: set = field(default_factory=set)  # target_name of every record
+    asked: set = field(default_factory=set)  # task keys looked up
+    taken: set = field(default_factory=set)  # task keys whose record was applied
+    foreign_warned: bool = False  # warn_if_foreign has said that nothing can match
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Database":
-        return cls.from_records(path, read_records(path))
+        return cls.from_records(path, numbered_records(path))
 
     @classmethod
     def from_records(cls, path: str | os.PathLike, records) -> "Database":
-        """The best successful record per key of `records` (read from `path`)."""
+        """The best successful record per key of `records` ((line, record) pairs, or records
+        alone, read from `path`)."""
         db = cls(os.fspath(path))
-        for rec in records:
+        for line, rec in (r if isinstance(r, tuple) else (None, r) for r in records):
             db.targets.add(rec.get("target"))
             if rec.get("error") is None and (rec["key"] not in db.best or rec["us"] < db.best[rec["key"]][0]):
                 db.best[rec["key"]] = (float(rec["us"]), rec["knobs"])
+                db.lines[rec["key"]] = line
         return db
 
     def warn_if_foreign(self, target: Target) -> None:
         """One warning when the log holds records, none of them for `target` (their keys cannot
         match, so the heuristic schedules everything: say so rather than pretend it was tuned)."""
         if self.targets and target_name(target) not in self.targets:
+            self.foreign_warned = True
             warnings.warn(f"tvm_ext: tuning log {self.path} has no records for target {target_name(target)} (it has "
                           f"{', '.join(sorted(map(str, self.targets)))}); using heuristic schedules", stacklevel=2)
 
     def lookup(self, func: tirx.PrimFunc, target: Target) -> dict | None:
-        entry = self.best.get(task_key(func, target))
-        return dict(entry[1]) if entry else None
+        """The knobs of `func`'s best record, or None (the heuristic's turn) when it has none or
+        they are no point of their strategy's space for `func` on `target` (with a warning)."""
+        key = task_key(func, target)
+        self.asked.add(key)
+        if key not in self.best:
+            return None
+        knobs = self.best[key][1]
+        problem = knobs_problem(func, target, knobs)
+        if problem:
+            warnings.warn(f"tvm_ext: tuning log {self.path} line {self.lines[key]}: knobs {json.dumps(knobs, sort_keys=True)} "
+                          f"{problem}; using the heuristic schedule", stacklevel=2)
+            return None
+        self.taken.add(key)
+        return dict(knobs)
+
+    def warn_if_unmatched(self) -> None:
+        """One warning when no task looked up took a record (and warn_if_foreign did not already
+        say why): the log was tuned for another model or shape."""
+        if not self.taken and not self.foreign_warned:
+            warnings.warn(f"tvm_ext: tuning log {self.path} has a usable record for none of the {len(self.asked)} "
+                          f"task(s) of this build (it holds {len(self.best)}); using heuristic schedules", stacklevel=3)
 
 
 def append_record(path: str | os.PathLike, func: tirx.PrimFunc, target: Target, task: str, knobs: dict,
