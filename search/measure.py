@@ -71,7 +71,7 @@ def build_candidate(func_json: str, target_json: str, knobs: dict, out_dir: str)
     """Schedule and compile one candidate; (library path, shapes of the zero-filled inputs it needs)."""
     import schedules  # noqa: PLC0415  (imports here: this runs in a fresh worker)
     import tvm_ext  # noqa: F401,PLC0415  (registers our reducers, passes and source hook)
-    from schedules.grid_reduce import ZEROED_INPUTS  # noqa: PLC0415
+    from schedules.contracts import ZEROED_INPUTS  # noqa: PLC0415
     from tvm_ext.tir import TIR_PIPELINE  # noqa: PLC0415
 
     func, target = tvm.ir.load_json(func_json), tvm.target.Target(target_json)

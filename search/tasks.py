@@ -20,9 +20,8 @@ from schedules.analysis import is_reduce_subgraph
 from schedules import contraction_template
 from tvm_ext.pipeline import fused_module
 from tvm_ext.records import task_key
+from tvm_ext.relax.bindings import CALL_TIR
 from tvm_ext.target import parse_target
-
-CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 
 @dataclass(frozen=True)
