@@ -37,6 +37,7 @@ from .features import NOMINAL
 REPEAT = 20  # timed calls per candidate on a GPU (each after an L2 flush); CPU: repeats of 10 calls
 FLUSH_BYTES = 256 << 20  # twice the largest L2 we target
 POLL_S = 0.01
+START_S = 300.0  # seconds a spawned worker may take to import TVM before it is given up on
 
 
 @dataclass
@@ -403,6 +404,7 @@ def copy_gbps(target_json: str) -> float:
 
 def _serve(jobs, results):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the tuner's to handle: it stops the workers
+    results.put(("ready", None))  # imports done: from now on a job's time is its own
     while (job := jobs.get()) is not None:
         fn, args = job
         try:
@@ -412,13 +414,15 @@ def _serve(jobs, results):
 
 
 class _Worker:
-    """A spawned process that runs one job at a time."""
+    """A spawned process that runs one job at a time. A job's `timeout` counts from when both the
+    job is submitted and the worker has finished starting (importing TVM takes seconds, more on a
+    busy machine): a candidate is never timed out for the worker's start-up."""
 
     def __init__(self, context):
         self.jobs, self.results = context.Queue(), context.Queue()
         self.process = context.Process(target=_serve, args=(self.jobs, self.results), daemon=True)
         self.process.start()
-        self.job, self.started = None, 0.0
+        self.job, self.created, self.started, self.ready = None, time.monotonic(), 0.0, False
 
     def submit(self, job_id, fn, args) -> None:
         self.job, self.started = job_id, time.monotonic()
@@ -427,9 +431,16 @@ class _Worker:
     def poll(self, timeout: float):
         """(status, value) of the running job when it has ended, else None."""
         try:
-            return self.results.get_nowait()
+            answer = self.results.get_nowait()
+            if answer[0] != "ready":
+                return answer
+            self.ready, self.started = True, time.monotonic()
         except queue.Empty:
             pass
+        if not self.ready and self.process.is_alive():
+            if time.monotonic() - self.created > START_S:
+                return "error", f"the measuring worker did not start within {START_S:g} s"
+            return None
         if not self.process.is_alive():
             try:  # it may have answered just before it ended
                 return self.results.get(timeout=0.5)

@@ -1,5 +1,6 @@
 """Measurement in worker processes: good candidates are timed; crashing, hanging and wrong ones cost one trial."""
 
+import math
 import os
 import time
 
@@ -131,3 +132,14 @@ def test_a_matmul_reference_reads_float32_operands_on_parallel_rows(rng):
     want = (a.astype("float32") @ w.astype("float32")).astype("float16").astype("float32") + b.astype("float32")
     np.testing.assert_allclose(args[-1].numpy().astype("float32"), want.astype("float16").astype("float32"),
                                rtol=2e-3, atol=2e-3)
+
+
+def test_a_job_is_not_timed_out_for_its_workers_start_up():
+    from search.measure import _Pool  # noqa: PLC0415
+
+    pool = _Pool(1)  # a fresh spawned worker spends seconds importing TVM before it takes the job
+    try:
+        ((status, value),) = pool.map(math.factorial, [(5,)], timeout=0.05)
+    finally:
+        pool.close()
+    assert (status, value) == ("ok", 120)
