@@ -21,19 +21,19 @@ from tvm_ext.runtime import manifest_trailer, read_manifest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = (4, 8)
 
-# Loads each file on sys.argv[1]'s device and runs softmax on ones (rows sum to 1: 4.0 in all), with TVM's
-# runtime library only; one line a file: "ran | sum | warnings..." or "refused | type | ValueError? | message".
+# Loads each file (arguments: device, path, device, path...) and runs softmax on ones (rows sum to 1: 4.0 in
+# all) with TVM's runtime library only; a line a file: "ran | sum | warnings..." or "refused | type | ValueError? | message".
 LOAD = r"""
 import sys, warnings
 import numpy as np
 import tvm
 import tvm_ext
 from tvm_ext.runtime import read_manifest
-for path in sys.argv[2:]:
+for device, path in zip(sys.argv[1::2], sys.argv[2::2]):
     try:
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
-            vm = tvm_ext.load(path, None if sys.argv[1] == "default" else sys.argv[1])
+            vm = tvm_ext.load(path, None if device == "default" else device)
             dev = tvm.device((read_manifest(path) or {}).get("device", "cpu"))
             out = vm["main"](tvm.runtime.tensor(np.ones(%r, "float32"), dev)).numpy()
         print("ran", float(out.sum()), *[str(w.message) for w in said], sep=" | ", flush=True)
@@ -42,13 +42,16 @@ for path in sys.argv[2:]:
 """ % (SHAPE,)
 
 
-def load_each(paths, device="default") -> list[list[str]]:
-    """What LOAD printed for each of `paths`, split at ' | '; the subprocess must exit cleanly."""
-    proc = subprocess.run([sys.executable, "-c", LOAD, device, *map(str, paths)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ, TVM_USE_RUNTIME_LIB="1"))
+def load_each(*files) -> list[list[str]]:
+    """What LOAD printed for each file (a path, or (path, device) to name the device), split at ' | '; the
+    subprocess must exit cleanly."""
+    pairs = [file if isinstance(file, tuple) else (file, "default") for file in files]
+    args = [str(arg) for path, device in pairs for arg in (device, path)]
+    proc = subprocess.run([sys.executable, "-c", LOAD, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, TVM_USE_RUNTIME_LIB="1"))
     assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
     lines = [line.split(" | ") for line in proc.stdout.splitlines()]
-    assert len(lines) == len(paths), proc.stdout
+    assert len(lines) == len(files), proc.stdout
     return lines
 
 
@@ -91,7 +94,7 @@ def test_damaged_exports_are_refused_naming_the_file_and_old_ones_load_with_one_
              "old.so": data[:size], "old_truncated.so": data[:size - 100]}
     for name, content in files.items():
         (tmp_path / name).write_bytes(content)
-    intact, truncated, flipped, old, old_truncated = load_each([tmp_path / name for name in files])
+    intact, truncated, flipped, old, old_truncated = load_each(*[tmp_path / name for name in files])
     assert intact == ["ran", "4.0"]
     for said, name, what in [(truncated, "truncated.so", "is truncated"), (flipped, "flipped.so", "is corrupted: its sha256"),
                              (old_truncated, "old_truncated.so", "is truncated")]:
@@ -109,7 +112,7 @@ def test_export_for_cpu_features_this_host_lacks_is_refused(tmp_path, good):
     needs = read_manifest(spr)["cpu_features"]
     assert needs == ["avx2", "avx512_bf16", "avx512_fp16", "avx512f"]  # -mattr=-amx-tile took AMX out
     host_has_fp16 = "avx512_fp16" in open("/proc/cpuinfo").read()
-    said_foreign, said_spr = load_each([foreign, spr])
+    said_foreign, said_spr = load_each(foreign, spr)
     assert said_foreign[:3] == ["refused", "UnloadableExportError", "True"]
     assert "foreign.so" in said_foreign[3] and "lacks: avx2_but_from_the_future" in said_foreign[3]
     if host_has_fp16:
@@ -121,7 +124,7 @@ def test_export_for_cpu_features_this_host_lacks_is_refused(tmp_path, good):
 @pytest.mark.skipif(has_gpu(), reason="checks loading onto a GPU that is not there")
 def test_load_on_a_gpu_that_is_not_there_fails_at_load(tmp_path, good):
     cuda_export = with_manifest(tmp_path, good, "cuda.so", device="cuda", cuda_arch="sm_90")
-    on_cuda, default_device = load_each([good[0], cuda_export], "cuda")[0], load_each([cuda_export])[0]
+    on_cuda, default_device = load_each((good[0], "cuda"), cuda_export)
     assert on_cuda[:2] == ["refused", "UnloadableExportError"] and "on cuda:0: no such device" in on_cuda[3]
     assert default_device[:2] == ["refused", "UnloadableExportError"] and "cuda.so" in default_device[3]
 
@@ -132,14 +135,14 @@ def test_cuda_export_loads_on_its_gpu_and_not_on_an_older_one(tmp_path, rng):
     manifest = read_manifest(so)
     assert manifest["device"] == "cuda" and manifest["cuda_arch"] == str(tvm_ext.parse_target("cuda").attrs["arch"])
     newer = with_manifest(tmp_path, (so, open(so, "rb").read()), "newer.so", cuda_arch="sm_120")
-    ran, refused, on_cpu = load_each([so, newer]) + load_each([so], "cpu")
+    ran, refused, on_cpu = load_each(so, newer, (so, "cpu"))
     assert ran == ["ran", "4.0"]
     assert refused[0] == "refused" and "built for sm_120" in refused[3] and "compute capability" in refused[3]
     assert on_cpu[0] == "refused" and "built for cuda, not for device cpu:0" in on_cpu[3]
 
 
-# Exports `main` twice to sys.argv[1] (the second after `limit` is applied), prints the error and whether the
-# first export is intact and still runs.
+# Exports softmax to sys.argv[1], then (after `limit` is applied) a LayerNorm over it; prints the error, whether
+# the first export is intact and still runs (and what the directory holds), then exports to sys.argv[2].
 FAILED_EXPORT = r"""
 import os, resource, signal, sys
 import numpy as np
@@ -159,26 +162,30 @@ except OSError as err:
 resource.setrlimit(resource.RLIMIT_FSIZE, (resource.getrlimit(resource.RLIMIT_FSIZE)[1],) * 2)
 out = tvm_ext.load(path)["main"](tvm.runtime.tensor(np.ones((4, 8), "float32"))).numpy()
 print("kept", open(path, "rb").read() == before, float(out.sum()), sorted(os.listdir(os.path.dirname(path))))
+tvm_ext.load(tvm_ext.export(bigger, sys.argv[2]))
+print("exported elsewhere")
 """
 
 
-def failed_export(path, limit: str) -> list[str]:
-    proc = subprocess.run([sys.executable, "-c", FAILED_EXPORT % limit, str(path)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+def failed_export(path, elsewhere, limit: str, env=None) -> list[str]:
+    proc = subprocess.run([sys.executable, "-c", FAILED_EXPORT % limit, str(path), str(elsewhere)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, **(env or {})))
     assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
     return proc.stdout.splitlines()
 
 
 def test_export_that_cannot_write_is_an_os_error_and_keeps_the_previous_file(tmp_path):
     """A write limit (RLIMIT_FSIZE, SIGXFSZ ignored) makes LLVM's object write fail, as a full disk does."""
-    said = failed_export(tmp_path / "m.so", "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
-                                            "resource.setrlimit(resource.RLIMIT_FSIZE, (16384, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))")
+    (tmp_path / "a").mkdir()
+    said = failed_export(tmp_path / "a" / "m.so", tmp_path / "b.so",
+                         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+                         "resource.setrlimit(resource.RLIMIT_FSIZE, (16384, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))")
     assert said[0].startswith("OSError") and "could not export to" in said[0] and "m.so" in said[0], said
-    assert said[1] == "kept True 4.0 ['m.so']", said  # no temporary files left either
+    assert said[1:] == ["kept True 4.0 ['m.so']", "exported elsewhere"], said  # no temporary files left either
 
 
 @pytest.fixture
-def full_tmpfs(tmp_path):
+def tmpfs(tmp_path):
     """A 256 KiB tmpfs (root only), unmounted after the test."""
     mount = tmp_path / "tmpfs"
     mount.mkdir()
@@ -189,15 +196,9 @@ def full_tmpfs(tmp_path):
     subprocess.run(["umount", str(mount)], check=True)
 
 
-def test_full_disk_is_an_os_error_and_a_full_temporary_directory_does_not_matter(full_tmpfs, tmp_path):
-    fill = f"open({str(full_tmpfs / 'fill')!r}, 'wb').write(bytes(shutil.disk_usage({str(full_tmpfs)!r}).free))"
-    said = failed_export(full_tmpfs / "m.so", f"import shutil\n{fill}")
+def test_full_disk_is_an_os_error_and_a_full_temporary_directory_does_not_matter(tmpfs, tmp_path):
+    """The tmpfs is filled after the first export; it is also TMPDIR, where the export beside it must not write."""
+    fill = f"open({str(tmpfs / 'fill')!r}, 'wb').write(bytes(shutil.disk_usage({str(tmpfs)!r}).free))"
+    said = failed_export(tmpfs / "m.so", tmp_path / "ok.so", f"import shutil\n{fill}", env={"TMPDIR": str(tmpfs)})
     assert said[0].startswith("OSError 28 ") and "m.so" in said[0] and "No space left on device" in said[0], said
-    assert said[1] == "kept True 4.0 ['fill', 'm.so']", said
-    # the temporary directory full: the export's intermediate files go beside the destination instead
-    proc = subprocess.run([sys.executable, "-c", "import sys, tvm_ext; from bench.suite import relax_module; "
-                           "tvm_ext.export(tvm_ext.build(relax_module('softmax', [4, 8], 'float32'), 'llvm'), sys.argv[1])",
-                           str(tmp_path / "ok.so")], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, TMPDIR=str(full_tmpfs)))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert load_each([tmp_path / "ok.so"]) == [["ran", "4.0"]]
+    assert said[1:] == ["kept True 4.0 ['fill', 'm.so']", "exported elsewhere"], said

@@ -20,6 +20,8 @@ from .pipeline import tvm_ext_pipeline
 from .runtime import file_sha256, manifest_trailer
 from .target import cpu_flags, parse_target
 
+MIN_FREE_BYTES = 1 << 20  # less than this free where an export's write failed: the disk is full
+
 
 def _check_module(mod) -> None:
     if not isinstance(mod, tvm.IRModule):
@@ -65,23 +67,23 @@ def export(executable, path: str | os.PathLike) -> str:
     if not os.path.isdir(parent):
         raise FileNotFoundError(f"directory {parent!r} for the exported model does not exist")
     manifest = _manifest(executable)
-    workspace = tempfile.mkdtemp(prefix=".tvm_ext_export.", dir=parent)
+    workspace = None
     try:
+        workspace = tempfile.mkdtemp(prefix=".tvm_ext_export.", dir=parent)
         tmp = os.path.join(workspace, os.path.basename(path))
-        _write_library(executable, tmp, path)
+        _write_library(executable, tmp)
         manifest.update(size=os.path.getsize(tmp), sha256=file_sha256(tmp, os.path.getsize(tmp)))
         with open(tmp, "ab") as f:
             f.write(manifest_trailer(manifest))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as err:
-        if path in str(err):
-            raise
+    except OSError as err:  # before the cleanup below: the free space is what the write found
         raise OSError(err.errno, f"could not export to {path!r}: {err.strerror or err} "
-                                 f"({shutil.disk_usage(parent).free} bytes free there)") from err
+                                 f"({shutil.disk_usage(parent).free} bytes free in {parent!r})") from err
     finally:
-        shutil.rmtree(workspace, ignore_errors=True)
+        if workspace is not None:
+            shutil.rmtree(workspace, ignore_errors=True)
     return path
 
 
@@ -98,10 +100,11 @@ def _manifest(executable) -> dict:
             "tvm_ext": __version__}
 
 
-def _write_library(executable, tmp: str, path: str) -> None:
+def _write_library(executable, tmp: str) -> None:
     """`executable.export_library(tmp)` in a forked child, its intermediate files (and the C
     compiler's: TMPDIR) beside `tmp`. LLVM ends the process on a write error ("LLVM ERROR: IO failure
-    on output stream"); here only the child ends, and its failure is an OSError naming `path`."""
+    on output stream"); here only the child ends, and its failure is an OSError with what it said
+    last (ENOSPC where the disk is full)."""
     workspace = os.path.dirname(tmp)
     read, write = os.pipe()
     pid = os.fork()
@@ -126,9 +129,5 @@ def _write_library(executable, tmp: str, path: str) -> None:
         return
     lines = [line.strip() for line in said.splitlines() if line.strip()]
     why = lines[-1] if lines else f"the library writer ended with status {os.waitstatus_to_exitcode(status)}"
-    free = shutil.disk_usage(workspace).free
-    raise OSError(errno.ENOSPC if "No space left" in said or free < MIN_FREE_BYTES else errno.EIO,
-                  f"could not export to {path!r}: {why} ({free} bytes free in {os.path.dirname(workspace)!r})")
-
-
-MIN_FREE_BYTES = 1 << 20  # less than this free where a write failed: the disk is full
+    full = "No space left" in said or shutil.disk_usage(workspace).free < MIN_FREE_BYTES
+    raise OSError(errno.ENOSPC if full else errno.EIO, why)

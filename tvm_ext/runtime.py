@@ -62,8 +62,9 @@ def manifest_trailer(manifest: dict) -> bytes:
 
 
 def read_manifest(path: str) -> dict | None:
-    """The manifest at the end of the export at `path`, or None for an export without one (written
-    before manifests). UnloadableExportError where the trailer is there but unreadable."""
+    """The manifest at the end of the export at `path`, with "manifest_offset" (where it starts: the
+    library's size), or None for an export without one (written before manifests).
+    UnloadableExportError where the trailer is there but unreadable."""
     with open(path, "rb") as f:
         end = f.seek(0, os.SEEK_END)
         if end < _TAIL.size:
