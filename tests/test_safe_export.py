@@ -15,7 +15,7 @@ import tvm
 
 import tvm_ext
 from bench.suite import relax_module
-from conftest import has_gpu
+from conftest import CUDA_TARGET, has_gpu
 from tvm_ext.runtime import manifest_trailer, read_manifest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,6 +74,7 @@ def with_manifest(tmp_path, good, name, **changes):
 
 
 def test_export_records_a_manifest_that_load_checks(good):
+    """The manifest after the library: its size and sha256, device, CPU flags, target, versions."""
     path, data = good
     manifest = read_manifest(str(path))
     size = manifest["size"]
@@ -85,6 +86,8 @@ def test_export_records_a_manifest_that_load_checks(good):
 
 
 def test_damaged_exports_are_refused_naming_the_file_and_old_ones_load_with_one_warning(tmp_path, good):
+    """Truncated (SIGBUS in dlopen before) and flipped (SIGSEGV) exports are refused; without a manifest (an
+    older export) the library's ELF headers still catch a truncation, and an intact one runs with a warning."""
     path, data = good
     size = read_manifest(str(path))["size"]
     flipped = bytearray(data)
@@ -105,6 +108,8 @@ def test_damaged_exports_are_refused_naming_the_file_and_old_ones_load_with_one_
 
 @pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="CPU flags are read from /proc/cpuinfo")
 def test_export_for_cpu_features_this_host_lacks_is_refused(tmp_path, good):
+    """A manifest claiming a CPU flag no CPU has is refused, naming it; a sapphirerapids build records its
+    AVX-512 flags and is refused on a host without AVX512-FP16 (SIGILL on the first call before)."""
     foreign = with_manifest(tmp_path, good, "foreign.so", cpu_features=["avx2_but_from_the_future"])
     spr = tvm_ext.export(tvm_ext.build(relax_module("softmax", list(SHAPE), "float32"),
                                        {"kind": "llvm", "mcpu": "sapphirerapids", "mattr": ["-amx-tile"]}),
@@ -123,14 +128,20 @@ def test_export_for_cpu_features_this_host_lacks_is_refused(tmp_path, good):
 
 @pytest.mark.skipif(has_gpu(), reason="checks loading onto a GPU that is not there")
 def test_load_on_a_gpu_that_is_not_there_fails_at_load(tmp_path, good):
-    cuda_export = with_manifest(tmp_path, good, "cuda.so", device="cuda", cuda_arch="sm_90")
-    on_cuda, default_device = load_each((good[0], "cuda"), cuda_export)
-    assert on_cuda[:2] == ["refused", "UnloadableExportError"] and "on cuda:0: no such device" in on_cuda[3]
-    assert default_device[:2] == ["refused", "UnloadableExportError"] and "cuda.so" in default_device[3]
+    """Before, load(path, "cuda") succeeded and the first call failed; a CUDA export loaded on the CPU."""
+    cuda_export = tvm_ext.export(tvm_ext.build(relax_module("softmax", list(SHAPE), "float32"), CUDA_TARGET),
+                                 tmp_path / "cuda.so")
+    assert (read_manifest(cuda_export)["device"], read_manifest(cuda_export)["cuda_arch"]) == ("cuda", "sm_90")
+    llvm_on_cuda, by_default, on_cpu = load_each((good[0], "cuda"), cuda_export, (cuda_export, "cpu"))
+    for said in (llvm_on_cuda, by_default):
+        assert said[:3] == ["refused", "UnloadableExportError", "True"] and "on cuda:0: no such device" in said[3]
+    assert "cuda.so" in by_default[3] and "softmax.so" in llvm_on_cuda[3]
+    assert on_cpu[0] == "refused" and "cuda.so' was built for cuda, not for device cpu:0" in on_cpu[3]
 
 
 @pytest.mark.gpu
-def test_cuda_export_loads_on_its_gpu_and_not_on_an_older_one(tmp_path, rng):
+def test_cuda_export_loads_on_its_gpu_and_not_on_an_older_one(tmp_path):
+    """The manifest records this GPU's arch; an export claiming a newer one, or loaded on the CPU, is refused."""
     so = tvm_ext.export(tvm_ext.build(relax_module("softmax", list(SHAPE), "float32"), "cuda"), tmp_path / "gpu.so")
     manifest = read_manifest(so)
     assert manifest["device"] == "cuda" and manifest["cuda_arch"] == str(tvm_ext.parse_target("cuda").attrs["arch"])
@@ -168,6 +179,7 @@ print("exported elsewhere")
 
 
 def failed_export(path, elsewhere, limit: str, env=None) -> list[str]:
+    """FAILED_EXPORT's lines, run in a subprocess with `limit` (Python statements) and `env`."""
     proc = subprocess.run([sys.executable, "-c", FAILED_EXPORT % limit, str(path), str(elsewhere)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300, env=dict(os.environ, **(env or {})))
     assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
