@@ -174,7 +174,7 @@ class _GroupedView:
     matching the reduction's reducer or normalising its block."""
 
     def __init__(self, x, channel: int, per_group: int, shape: list):
-        self.x, self.channel, self.per_group = x, channel, per_group
+        self.x, self.channel, self.per_group, self.dtype = x, channel, per_group, x.dtype
         self.shape = [tirx.const(d, "int64") for d in shape]
 
     def __getitem__(self, index):
