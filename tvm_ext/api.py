@@ -38,6 +38,9 @@ def build(mod: tvm.IRModule, target, database=None, **options):
     `database`: path of a tuning log written by scripts/tune.py, or None for heuristic schedules.
     """
     _check_module(mod)
+    if database is not None and not isinstance(database, (str, os.PathLike)):
+        raise TypeError(f"build: database must be the path of a tuning log (str or os.PathLike) or None, "
+                        f"got {type(database).__name__}")
     target = parse_target(target)
     if "gpu" in target.keys:
         import_tensor_intrinsics()  # dlight's matmul rule would import them, 10-25x slower
