@@ -51,6 +51,8 @@ def test_the_pipeline_by_name_alone_still_gets_our_tir_passes():
     ("rocm", "unsupported target string 'rocm'"),
     ({"kind": "no_such_kind"}, "invalid target"),
     (42, "unsupported target 42"),
+    ({"kind": "cuda", "arch": "sm_999"}, "unknown CUDA arch 'sm_999': expected one of sm_20, "),
+    (tvm.target.Target({"kind": "cuda", "arch": "sm_91"}), "unknown CUDA arch 'sm_91'"),
 ])
 def test_bad_target_is_a_clear_value_error(target, match):
     with pytest.raises(ValueError, match=re.escape(match)):
@@ -69,13 +71,39 @@ def test_missing_database_is_file_not_found(tmp_path):
         tvm_ext.build(relax_module("row_sum", [4, 8], "float32"), "llvm", database=missing)
 
 
+def test_known_cuda_archs_come_from_tvm_and_are_all_accepted():
+    from tvm_ext.target import known_cuda_archs  # noqa: PLC0415
+
+    archs = known_cuda_archs()
+    assert {"sm_70", "sm_80", "sm_89", "sm_90", "sm_100", "sm_120"} <= set(archs) and "sm_999" not in archs
+    for arch in [*archs, "sm_90a", "sm_100a"]:
+        assert str(tvm_ext.parse_target({"kind": "cuda", "arch": arch}).attrs["arch"]) == arch
+
+
 def test_module_without_relax_main_is_a_value_error():
     mod = relax_module("row_sum", [4, 8], "float32")
     renamed = tvm.IRModule({tvm.ir.GlobalVar("forward"): mod["main"]})
     with pytest.raises(ValueError, match="no Relax function 'main'"):
         tvm_ext.build(renamed, "llvm")
-    with pytest.raises(ValueError, match="expected a tvm.IRModule"):
-        tvm_ext.build(mod["main"], "llvm")
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda ex, tmp: tvm_ext.build(None, "llvm"), "build: mod must be a tvm.IRModule .*, got NoneType"),
+    (lambda ex, tmp: tvm_ext.build("def main(x): ...", "llvm"), "build: mod must be a tvm.IRModule .*, got str"),
+    (lambda ex, tmp: tvm_ext.build(relax_module("row_sum", [4, 8], "float32")["main"], "llvm"),
+     "build: mod must be a tvm.IRModule .*, got Function"),
+    (lambda ex, tmp: tvm_ext.build(relax_module("row_sum", [4, 8], "float32"), "llvm", database=123),
+     r"build: database must be the path of a tuning log \(str or os.PathLike\) or None, got int"),
+    (lambda ex, tmp: tvm_ext.export(None, tmp / "m.so"), "export: executable must be .*, got NoneType"),
+    (lambda ex, tmp: tvm_ext.export(ex.mod, tmp / "m.so"), "export: executable must be .*, got Module"),
+    (lambda ex, tmp: tvm_ext.export(ex, 123), "export: path must be a str or os.PathLike, got int"),
+    (lambda ex, tmp: tvm_ext.load(123), "load: path must be a str or os.PathLike, got int"),
+])
+def test_wrong_argument_types_are_type_errors_naming_the_argument(call, match, tmp_path):
+    ex = tvm_ext.build(relax_module("row_sum", [4, 8], "float32"), "llvm")
+    with pytest.raises(TypeError, match=match):
+        call(ex, tmp_path)
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
 
 def test_unknown_build_option_is_named():

@@ -14,11 +14,11 @@ from conftest import CUDA_TARGET
 EPS = 1e-5
 
 
-def module(op: str, shape: list):
+def module(op: str, shape: list, dtype: str = "float32"):
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    x = relax.Var("x", relax.TensorType(shape, dtype))
     c = shape[1]
-    params = [relax.Var(n, relax.TensorType([c], "float32")) for n in ("gamma", "beta", "mean", "var")]
+    params = [relax.Var(n, relax.TensorType([c], dtype)) for n in ("gamma", "beta", "mean", "var")]
     args = [x] + (params[:2] if op == "group_norm" else params if op == "batch_norm" else [])
     with bb.function("main", args):
         with bb.dataflow():
@@ -54,19 +54,22 @@ CASES = [("std", [6, 3000]), ("batch_norm", [4, 8, 10, 12]), ("group_norm", [3, 
 
 @pytest.mark.parametrize("op, shape", CASES)
 @pytest.mark.parametrize("variance", ["welford", "two_pass"])
-def test_matches_numpy_on_llvm(op, shape, variance, rng):
-    x = (rng.standard_normal(shape) * 2 + 100).astype("float32")  # far enough from zero to matter
-    params = [rng.standard_normal(shape[1]).astype("float32") for _ in range(2)] + [
-        rng.standard_normal(shape[1]).astype("float32"), rng.random(shape[1]).astype("float32")]
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 2e-4), ("float64", 1e-11)])
+def test_matches_numpy_on_llvm(op, shape, variance, dtype, tolerance, rng):
+    """float64 too: its statistics were accumulated in float32 (errors of 1e-7 where NumPy's are 1e-15)."""
+    x = (rng.standard_normal(shape) * 2 + 100).astype(dtype)  # far enough from zero to matter
+    params = [rng.standard_normal(shape[1]).astype(dtype) for _ in range(2)] + [
+        rng.standard_normal(shape[1]).astype(dtype), rng.random(shape[1]).astype(dtype)]
     args = [x] + (params[:2] if op == "group_norm" else params if op == "batch_norm" else [])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ex = tvm_ext.build(module(op, shape), "llvm", variance=variance)
+        ex = tvm_ext.build(module(op, shape, dtype), "llvm", variance=variance)
     assert not [w for w in caught if "tvm_ext:" in str(w.message)], "our schedules serve both forms"
     out = VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(a) for a in args])
     outs = [o.numpy() for o in out] if op == "batch_norm" else [out.numpy()]
     for got, want in zip(outs, reference(op, *args)):
-        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+        assert got.dtype == dtype
+        np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("op, shape", CASES)

@@ -8,11 +8,12 @@ export: `load` and the introspection helpers.
 
 import tvm
 
-from .introspect import cuda_kernels, cuda_source, first_divergent_call, trace_calls
-from .runtime import load
+__version__ = "0.1.0"  # before the imports: export records it (api.py)
 
-__version__ = "0.1.0"
-_RUNTIME = ["cuda_kernels", "cuda_source", "first_divergent_call", "load", "trace_calls"]
+from .introspect import cuda_kernels, cuda_source, first_divergent_call, trace_calls  # noqa: E402
+from .runtime import UnloadableExportError, load  # noqa: E402
+
+_RUNTIME = ["UnloadableExportError", "cuda_kernels", "cuda_source", "first_divergent_call", "load", "trace_calls"]
 _COMPILER = ["PIPELINE", "ExportError", "FallbackWarning", "UnsupportedOperatorError", "build", "export", "from_torch",
              "parse_target", "register_tir_pass", "tvm_ext_pipeline", "unregister_tir_pass"]
 

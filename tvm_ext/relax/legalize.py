@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import reduce
+
 import tvm
 from tvm import relax, te, tirx, topi
 
@@ -11,18 +13,19 @@ from . import welford
 def _softmax_float32_accumulate(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     """TVM's softmax sums exp() in the input dtype; in fp16 a 32k-wide row loses ~3 digits.
 
-    Compute in float32 and cast back, as PyTorch does; the casts fuse away into the kernel.
+    Compute in float32 (float64 in float64) and cast back, as PyTorch does; the casts fuse away
+    into the kernel.
     """
     axis = int(call.attrs.axis)
 
     def softmax(x):
-        return topi.cast(topi.nn.softmax(topi.cast(x, "float32"), axis=axis), x.dtype)
+        return topi.cast(topi.nn.softmax(topi.cast(x, welford.accumulator(x.dtype)), axis=axis), x.dtype)
 
     return bb.call_te(softmax, call.args[0], primfunc_name_hint="softmax")
 
 
 def _layer_norm_float32(variance: str):
-    """LayerNorm computed in float32 whatever the input dtype, as PyTorch does, with its
+    """LayerNorm computed in float32 (float64 in float64) whatever the input dtype, as PyTorch does, with its
     statistics from `variance` (see welford.statistics_te): Welford reads x once for both.
 
     TVM's own (C++ TOPI) refuses bfloat16 and applies the weight and bias in float16.
@@ -44,6 +47,24 @@ def _layer_norm_float32(variance: str):
     return legalize
 
 
+def _rms_norm(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """RMSNorm. TVM's own (C++ TOPI) computes in float32 whatever the input, so float64 came out
+    with float32's 3e-7 error; float64 is computed in float64 here, other dtypes keep TVM's."""
+    if call.args[0].ty.dtype != "float64":
+        return tvm.ir.Op.get("relax.nn.rms_norm").get_attr("FLegalize")(bb, call)
+    eps = float(call.attrs.epsilon)
+
+    def rms_norm(x, weight):
+        axes = sorted(int(a) % len(x.shape) for a in call.attrs.axes)
+        count = reduce(lambda a, b: a * b, [x.shape[a] for a in axes]).astype(x.dtype)
+        squares = topi.sum(topi.multiply(x, x), axis=axes, keepdims=True)
+        scale = topi.rsqrt(topi.add(topi.divide(squares, count), tirx.const(eps, x.dtype)))
+        return topi.multiply(topi.multiply(x, scale),
+                             topi.reshape(weight, [x.shape[i] if i in axes else 1 for i in range(len(x.shape))]))
+
+    return bb.call_te(rms_norm, *call.args, primfunc_name_hint="rms_norm")
+
+
 def _variance(algorithm: str):
     def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         return bb.call_te(welford.variance_te, call.args[0], welford.axes_of(call), bool(call.attrs.keepdims),
@@ -53,15 +74,16 @@ def _variance(algorithm: str):
 
 
 def _normalize(x, mean, var, eps: float, kept: list, scale=None, shift=None, param_shape=None):
-    """(x - mean) * rsqrt(var + eps) [* scale] [+ shift] in float32, cast back to x's dtype; mean and
-    var come without the reduced dims and are broadcast through `kept` (1 on reduced dims)."""
+    """(x - mean) * rsqrt(var + eps) [* scale] [+ shift] in welford.accumulator(x.dtype), cast back
+    to x's dtype; mean and var come without the reduced dims and are broadcast through `kept` (1 on
+    reduced dims)."""
+    acc = welford.accumulator(x.dtype)
     mean, var = topi.reshape(mean, kept), topi.reshape(var, kept)
-    y = topi.multiply(topi.subtract(topi.cast(x, "float32"), mean),
-                      topi.rsqrt(topi.add(var, tirx.const(eps, "float32"))))
+    y = topi.multiply(topi.subtract(topi.cast(x, acc), mean), topi.rsqrt(topi.add(var, tirx.const(eps, acc))))
     if scale is not None:
-        y = topi.multiply(y, topi.reshape(topi.cast(scale, "float32"), param_shape))
+        y = topi.multiply(y, topi.reshape(topi.cast(scale, acc), param_shape))
     if shift is not None:
-        y = topi.add(y, topi.reshape(topi.cast(shift, "float32"), param_shape))
+        y = topi.add(y, topi.reshape(topi.cast(shift, acc), param_shape))
     return topi.cast(y, x.dtype)
 
 
@@ -112,8 +134,9 @@ def _batch_norm_training(algorithm: str):
                              beta if attrs.center else None, kept)
 
             def moving(old, new):
-                return topi.cast(topi.add(topi.multiply(topi.cast(old, "float32"), tirx.const(1 - momentum, "float32")),
-                                          topi.multiply(new, tirx.const(momentum, "float32"))), old.dtype)
+                acc = welford.accumulator(old.dtype)
+                return topi.cast(topi.add(topi.multiply(topi.cast(old, acc), tirx.const(1 - momentum, acc)),
+                                          topi.multiply(new, tirx.const(momentum, acc))), old.dtype)
 
             return [out, moving(moving_mean, mean), moving(moving_var, var)]
 
@@ -151,7 +174,7 @@ class _GroupedView:
     matching the reduction's reducer or normalising its block."""
 
     def __init__(self, x, channel: int, per_group: int, shape: list):
-        self.x, self.channel, self.per_group = x, channel, per_group
+        self.x, self.channel, self.per_group, self.dtype = x, channel, per_group, x.dtype
         self.shape = [tirx.const(d, "int64") for d in shape]
 
     def __getitem__(self, index):
@@ -242,7 +265,8 @@ def legalizations(variance: str = "welford") -> dict:
     if variance not in VARIANCE_ALGORITHMS:
         raise ValueError(f"unknown variance algorithm {variance!r}: expected one of {VARIANCE_ALGORITHMS}")
     table = {"relax.nn.softmax": _softmax_float32_accumulate, "relax.nn.layer_norm": _layer_norm_float32(variance),
-             "relax.std": _std(variance), "relax.nn.batch_norm": _batch_norm_training(variance),
+             "relax.nn.rms_norm": _rms_norm, "relax.std": _std(variance),
+             "relax.nn.batch_norm": _batch_norm_training(variance),
              "relax.nn.group_norm": _group_norm(variance), "relax.full": legalize_full, "relax.full_like": legalize_full,
              "relax.power": legalize_power, "relax.nn.instance_norm": _instance_norm(variance)}
     if variance != "two_pass":

@@ -77,27 +77,34 @@ _welford = te.comm_reducer(lambda a, b: tuple(combine(a, b)), lambda t0, t1, t2:
 _sums = te.comm_reducer(lambda a, b: tuple(_pair_sum(a, b)), lambda t0, t1: tuple(identity(t0, t1)), name="sums")
 
 
+def accumulator(dtype) -> str:
+    """The dtype a reduction over `dtype` data computes in: float64 stays float64 (never rounded
+    down), every narrower type is computed in float32, as PyTorch does."""
+    return "float64" if str(dtype) == "float64" else "float32"
+
+
 def _reduction_space(x, axes: list[int]):
-    """(kept shape, reduce axes, element(spatial index, reduce index) as float32, element count)."""
+    """(kept shape, reduce axes, element(spatial index, reduce index) in accumulator(x.dtype), element count)."""
     ks = [te.reduce_axis((0, x.shape[a]), name=f"k{a}") for a in axes]
+    acc = accumulator(x.dtype)
 
     def element(spatial, reduced=None):
         s, r = iter(spatial), iter(reduced if reduced is not None else ks)
-        return x[tuple(next(r) if i in axes else next(s) for i in range(len(x.shape)))].astype("float32")
+        return x[tuple(next(r) if i in axes else next(s) for i in range(len(x.shape)))].astype(acc)
 
     kept = [x.shape[i] for i in range(len(x.shape)) if i not in axes]
-    return kept, ks, element, reduce(lambda a, b: a * b, [x.shape[a] for a in axes]).astype("float32")
+    return kept, ks, element, reduce(lambda a, b: a * b, [x.shape[a] for a in axes]).astype(acc)
 
 
 def _welford_state(x, axes: list[int]):
-    """(M2, mean, count) of `x` over `axes`, float32, from one Welford reduction.
+    """(M2, mean, count) of `x` over `axes`, in accumulator(x.dtype), from one Welford reduction.
 
     The reduction runs on x minus the first element of its row (a pivot: the subtraction is exact
     for the nearby values of data far from zero), so the running mean stays small and keeps its
     digits; the pivot is added back to the mean afterwards.
     """
     kept, ks, element, count = _reduction_space(x, axes)
-    one, zero = tirx.const(1, "float32"), tirx.const(0, "float32")
+    one, zero = tirx.const(1, accumulator(x.dtype)), tirx.const(0, accumulator(x.dtype))
     first = [tirx.const(0, k.var.ty.dtype) for k in ks]
     pivot = te.compute(kept, lambda *i: element(i, first), name="pivot")
     m2, mean, _ = te.compute(kept, lambda *i: _welford((zero, element(i) - pivot(*i), one), axis=ks), name="welford",
@@ -107,7 +114,7 @@ def _welford_state(x, axes: list[int]):
 
 
 def statistics_te(x, axes: list[int], algorithm: str):
-    """(mean, population variance) of `x` over `axes` in float32, without the reduced dims, by
+    """(mean, population variance) of `x` over `axes` in accumulator(x.dtype), without the reduced dims, by
     `algorithm`: "welford" (one reduction), "one_pass" (one reduction of sum and sum of squares)
     or "two_pass" (the sum, then the sum of squared deviations: x is read twice)."""
     if algorithm == "welford":
