@@ -93,7 +93,7 @@ def test_module_without_relax_main_is_a_value_error():
     (lambda ex, tmp: tvm_ext.build(relax_module("row_sum", [4, 8], "float32")["main"], "llvm"),
      "build: mod must be a tvm.IRModule .*, got Function"),
     (lambda ex, tmp: tvm_ext.build(relax_module("row_sum", [4, 8], "float32"), "llvm", database=123),
-     r"build: database must be the path of a tuning log \(str or os.PathLike\) or None, got int"),
+     r"build: database must be the path of a tuning log \(str or os.PathLike\), a Database or None, got int"),
     (lambda ex, tmp: tvm_ext.export(None, tmp / "m.so"), "export: executable must be .*, got NoneType"),
     (lambda ex, tmp: tvm_ext.export(ex.mod, tmp / "m.so"), "export: executable must be .*, got Module"),
     (lambda ex, tmp: tvm_ext.export(ex, 123), "export: path must be a str or os.PathLike, got int"),
