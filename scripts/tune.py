@@ -19,8 +19,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import tvm  # noqa: E402
+
 from bench.suite import load_suite, relax_module  # noqa: E402
 from search.tuner import check_log, model_path, tune_model  # noqa: E402
+from tvm_ext.records import read_records  # noqa: E402
+from tvm_ext.target import parse_target  # noqa: E402
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
@@ -89,8 +93,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a candidate may take to build or run")
     ap.add_argument("--batch", type=int, default=8, help="candidates measured per round")
     args = ap.parse_args()
-    target = json.loads(args.target) if args.target.startswith("{") else args.target
     try:
+        target = measuring_target(args.target)
         check_log(args.log, args.resume)  # before the model loads: a log that cannot take records stops here
         reports = tune_model(load_model(args.model), target, args.trials, args.log, args.resume,
                              args.warm_start, parse_dims(args.dims), args.builders, args.timeout, args.batch)
@@ -103,7 +107,28 @@ def main() -> int:
         return 130
     print(table(reports))
     print(f"log: {args.log}   cost model: {model_path(args.log)}")
+    if args.trials and all(r.knobs is None for r in reports):
+        print(f"tune.py: no candidate could be measured; the first failure: {first_error(args.log)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def measuring_target(text: str):
+    """The target of --target (a name or a JSON dict), refused in one line when it is not a target
+    or when this machine has no device to measure it on."""
+    try:
+        target = parse_target(json.loads(text) if text.lstrip().startswith("{") else text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--target {text!r} is not valid JSON: {err.msg} at column {err.colno}") from None
+    if target.kind.name == "cuda" and not tvm.cuda(0).exist:
+        raise ValueError(f"--target {text!r}: no CUDA GPU is visible to measure on; tune on a machine with one, "
+                         "or pass --target llvm")
+    return target
+
+
+def first_error(log: str) -> str:
+    """The error of the log's first failed record (what stopped every candidate), or a pointer to the log."""
+    return next((rec["error"] for rec in read_records(log) if rec.get("error")), f"see {log}")
 
 
 if __name__ == "__main__":

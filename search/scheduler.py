@@ -45,7 +45,13 @@ def tune(searches: list[TaskSearch], measure, trials: int, prior: list = (), pro
         retrain(search)
         overall.update(n)
         bars[id(search)].update(n)
-        bars[id(search)].set_postfix_str(f"best {search.best_us:.1f} us" if search.best else "no valid candidate yet")
+        best = f"best {search.best_us:.1f} us" if search.best else "no valid candidate yet"
+        bars[id(search)].set_postfix_str(f"{best}, {search.stop_reason}" if search.done else best)
+    if spent < trials:  # every task stopped before the budget: say why rather than halt part-way
+        reasons = sorted({s.stop_reason for s in searches})
+        overall.total = spent
+        overall.set_postfix_str(f"stopped at {spent} of {trials} trials: {', '.join(reasons)}")
+        overall.refresh()
     for bar in bars.values():
         bar.close()
     overall.close()

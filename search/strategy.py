@@ -62,7 +62,18 @@ class TaskSearch:
 
     @property
     def done(self) -> bool:
-        return len(self.measured) >= self.budget or self.stale >= self.patience
+        return self.stop_reason is not None
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why this task takes no more trials ("space exhausted", ...), None while it goes on."""
+        if len(self.measured) >= len(self.points):
+            return "space exhausted"
+        if len(self.measured) >= self.budget:
+            return "budget spent"
+        if self.stale >= self.patience:
+            return f"no gain in {self.patience} batches"
+        return None
 
     def curve(self) -> list[float]:
         """Best latency so far after each trial (inf until one succeeds)."""

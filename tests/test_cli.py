@@ -29,3 +29,25 @@ def test_the_report_names_a_missing_results_file_in_one_line():
     done = _run("-m", "bench.report", "missing.json")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "cannot read missing.json" in done.stderr.splitlines()[-1]
+
+
+def test_a_target_that_is_not_json_is_one_line(tmp_path):
+    done = _run("scripts/tune.py", "--model", "suite:ln-8192x4096-f16", "--target", "{bad", "--trials", "2",
+                "--log", str(tmp_path / "t.json"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == ["tune.py: --target '{bad' is not valid JSON: Expecting property name "
+                                                "enclosed in double quotes at column 2"]
+
+
+def test_a_cuda_target_without_a_gpu_is_refused_before_any_work(tmp_path):
+    done = _run("scripts/tune.py", "--model", "suite:ln-8192x4096-f16", "--target", '{"kind": "cuda", "arch": "sm_90a"}',
+                "--trials", "2", "--log", str(tmp_path / "t.json"))
+    assert done.returncode == 2 and "no CUDA GPU is visible to measure on" in done.stderr.splitlines()[-1]
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_a_run_where_no_candidate_could_be_measured_exits_non_zero_and_says_why(tmp_path):
+    done = _run("scripts/tune.py", "--model", "suite:rms-8192x4096-bf16", "--target", "llvm", "--trials", "2",
+                "--timeout", "0.001", "--log", str(tmp_path / "t.json"))
+    assert done.returncode == 1, done.stderr[-500:]
+    assert done.stderr.splitlines()[-1] == "tune.py: no candidate could be measured; the first failure: timed out after 0.001 s"

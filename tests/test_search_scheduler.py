@@ -79,3 +79,14 @@ def test_patience_stops_a_task_that_no_longer_improves(tmp_path):
 
     tune([s], flat, trials=40, progress=False)
     assert len(s.measured) == 12 and s.done  # one batch sets the best, two more that do not improve end it
+    assert s.stop_reason == "no gain in 2 batches"
+
+
+def test_a_run_that_exhausts_the_space_says_so_on_its_progress_bar(tmp_path, capsys):
+    t = task("softmax", [8192, 4096])
+    s = TaskSearch(t, TARGET, str(tmp_path / "all.json"), budget=1000, batch=8, patience=99)
+    tune([s], oracle({t.func: s}), trials=1000, progress=True)
+    assert len(s.measured) == len(s.points) < 1000 and s.stop_reason == "space exhausted"
+    final = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    assert any("all tasks: 100%" in line and f"stopped at {len(s.points)} of 1000 trials: space exhausted" in line
+               for line in final), final[-3:]
