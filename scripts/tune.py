@@ -15,6 +15,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -93,6 +94,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a candidate may take to build or run")
     ap.add_argument("--batch", type=int, default=8, help="candidates measured per round")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, _terminated)  # what timeout, Slurm and Kubernetes send: stop as on Ctrl-C
     try:
         target = measuring_target(args.target)
         check_log(args.log, args.resume)  # before the model loads: a log that cannot take records stops here
@@ -101,16 +103,24 @@ def main() -> int:
     except (ValueError, OSError) as err:
         print(f"tune.py: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"\ntune.py: interrupted; every finished measurement is in {args.log}: add --resume to continue",
-              file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, _Terminated) as stop:
+        print(f"\ntune.py: {'terminated' if isinstance(stop, _Terminated) else 'interrupted'}; every finished "
+              f"measurement is in {args.log}: add --resume to continue", file=sys.stderr)
+        return 143 if isinstance(stop, _Terminated) else 130
     print(table(reports))
     print(f"log: {args.log}   cost model: {model_path(args.log)}")
     if args.trials and all(r.knobs is None for r in reports):
         print(f"tune.py: no candidate could be measured; the first failure: {first_error(args.log)}", file=sys.stderr)
         return 1
     return 0
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised where the run is, so that its workers stop and its scratch files go as on Ctrl-C."""
+
+
+def _terminated(_signum, _frame):
+    raise _Terminated
 
 
 def measuring_target(text: str):

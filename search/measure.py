@@ -17,6 +17,7 @@ import os
 import queue
 import signal
 import tempfile
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,7 @@ REPEAT = 20  # timed calls per candidate on a GPU (each after an L2 flush); CPU:
 FLUSH_BYTES = 256 << 20  # twice the largest L2 we target
 POLL_S = 0.01
 COPY_TIMEOUT_S = 120.0  # seconds the copy-bandwidth measurement may take
+PARENT_POLL_S = 1.0  # how often a worker checks that the tuner that started it is alive
 START_S = 300.0  # seconds a spawned worker may take to import TVM before it is given up on
 
 
@@ -403,8 +405,22 @@ def copy_gbps(target_json: str) -> float:
 
 # ---- isolated workers ----------------------------------------------------------------------
 
+def _exit_with_parent() -> None:
+    """End this worker within a second of its parent's death (a SIGKILLed tuner cleans up nothing):
+    an orphan would hold the caller's pipes open and its memory for as long as its job ran."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _serve(jobs, results):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the tuner's to handle: it stops the workers
+    _exit_with_parent()
     results.put(("ready", None))  # imports done: from now on a job's time is its own
     while (job := jobs.get()) is not None:
         fn, args = job
@@ -554,19 +570,20 @@ class Measurer:
         self.runners.warm()
         self.builders.warm()
 
-    def measure(self, func, candidates: list[dict], dims: dict | None = None) -> list[Result]:
-        """One Result per candidate, in order."""
+    def measure(self, func, candidates: list[dict], dims: dict | None = None, on_result=None) -> list[Result]:
+        """One Result per candidate, in order; `on_result(i, result)` is called as candidate i finishes."""
         func_json, dims = tvm.ir.save_json(func), dict(dims or {})
         started, libs = time.monotonic(), []
         for i, knobs in enumerate(candidates):
             self.builders.submit(i, self.builder, (func_json, self.target_json, knobs, self.scratch.name), self.timeout)
         outcome, built, last = {}, [], started
         while not (self.builders.idle and self.runners.idle and not built):
+            finished = []
             for i, answer in self.builders.poll():
                 if answer[0] == "ok":
                     built.append((i, answer[1]))
                 else:
-                    outcome[i] = answer
+                    finished.append((i, answer))
             if self.overlap or self.builders.idle:  # a GPU candidate runs while the others still build
                 for i, (lib, zeroed) in built:
                     libs.append(lib)
@@ -574,7 +591,10 @@ class Measurer:
                                                          zeroed), self.timeout)
                 built = []
             running = not self.runners.idle
-            outcome.update(self.runners.poll())
+            for i, answer in finished + self.runners.poll():
+                outcome[i] = answer
+                if on_result is not None:
+                    on_result(i, _result(candidates[i], answer))
             time.sleep(POLL_S)
             now = time.monotonic()
             self.seconds["run"] += (now - last) if running else 0.0

@@ -75,6 +75,14 @@ class TaskSearch:
             return f"no gain in {self.patience} batches"
         return None
 
+    def _record(self, i: int, result) -> None:
+        """Point i's result, kept and appended to the log."""
+        self.measured.append(i)
+        self.results.append(result)
+        append_record(self.log, self.task.func, self.target, self.task.name, result.knobs,
+                      None if result.error else result.best_us, result.error, result.us,
+                      {"schema": SCHEMA, "values": [float(v) for v in self.x[i]]})
+
     def curve(self) -> list[float]:
         """Best latency so far after each trial (inf until one succeeds)."""
         return list(np.minimum.accumulate([r.best_us for r in self.results])) if self.results else []
@@ -103,15 +111,21 @@ class TaskSearch:
         return chosen
 
     def step(self, measure, limit: int) -> int:
-        """Measure one batch of at most `limit` candidates with `measure(func, knobs, dims)`; log each."""
+        """Measure one batch of at most `limit` candidates with `measure(func, knobs, dims, on_result=)`;
+        each is logged as soon as it finishes (`on_result(j, result)` for the j-th), so that an
+        interrupted batch keeps its finished measurements; any the measurer did not report that way
+        are logged when it returns."""
         chosen = self.next_batch(limit)
         before = self.best_us
-        for i, result in zip(chosen, measure(self.task.func, [self.points[i] for i in chosen], self.dims)):
-            self.measured.append(i)
-            self.results.append(result)
-            append_record(self.log, self.task.func, self.target, self.task.name, result.knobs,
-                          None if result.error else result.best_us, result.error, result.us,
-                          {"schema": SCHEMA, "values": [float(v) for v in self.x[i]]})
+        logged: set = set()
+
+        def log(j: int, result) -> None:
+            if j not in logged:
+                logged.add(j)
+                self._record(chosen[j], result)
+
+        for j, result in enumerate(measure(self.task.func, [self.points[i] for i in chosen], self.dims, on_result=log)):
+            log(j, result)
         self.batches += 1
         improved = self.best_us < before
         self.stale = 0 if improved else self.stale + 1

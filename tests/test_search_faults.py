@@ -84,9 +84,9 @@ def test_ctrl_c_mid_run_then_resume_reaches_the_budget_without_repeats(tmp_path)
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "no_such_model"], "no model 'no_such_model'"),
-    (["--model", "suite:nope"], "no suite case 'nope'"),
-    (["--model", "transformer_norms", "--dims", "n=big"], "--dims expects NAME=INT"),
+    (["--model", "no_such_model", "--target", "llvm"], "no model 'no_such_model'"),
+    (["--model", "suite:nope", "--target", "llvm"], "no suite case 'nope'"),
+    (["--model", "transformer_norms", "--target", "llvm", "--dims", "n=big"], "--dims expects NAME=INT"),
     (["--model", "transformer_norms", "--target", "tpu"], "unsupported target string 'tpu'"),
 ])
 def test_bad_cli_input_is_named(tmp_path, argv, message):
@@ -94,3 +94,78 @@ def test_bad_cli_input_is_named(tmp_path, argv, message):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def _children(pid: int) -> set:
+    """Pids whose parent is `pid` (the tuner's spawned workers and resource tracker)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.add(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def _alive(pids: set) -> set:
+    return {p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]}
+
+
+def _tune_until_measuring(tmp_path):
+    """A tuner on llvm, its scratch folder under tmp_path/tmp, once it has logged a measurement."""
+    log, scratch = tmp_path / "run.json", tmp_path / "tmp"
+    scratch.mkdir()
+    args = TUNE + ["--model", "transformer_norms", "--target", "llvm", "--trials", "40", "--batch", "8", "--log", str(log)]
+    run = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=dict(os.environ, PYTHONPATH=ROOT, TMPDIR=str(scratch)))
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and (not log.exists() or not log.read_text().strip()):
+        time.sleep(0.2)
+    return run, log, scratch, _children(run.pid)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for the tuner's workers")
+def test_sigterm_ends_the_workers_keeps_the_log_and_removes_the_scratch_files(tmp_path):
+    run, log, scratch, workers = _tune_until_measuring(tmp_path)
+    assert workers, "the tuner started no workers"
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 143 and "terminated" in err and "add --resume to continue" in err, err[-500:]
+    assert all(json.loads(line) for line in log.read_text().splitlines())  # whole records only
+    deadline = time.monotonic() + 10
+    while _alive(workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(workers)
+    assert not any(p.name.startswith("tvm_ext_measure_") for p in scratch.iterdir())
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for the tuner's workers")
+def test_workers_of_a_killed_tuner_exit_within_seconds_and_free_its_pipes(tmp_path):
+    run, _, _, workers = _tune_until_measuring(tmp_path)
+    assert workers
+    run.kill()
+    run.communicate(timeout=30)  # hangs while an orphaned worker holds the pipes
+    deadline = time.monotonic() + 10
+    while _alive(workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(workers)
+
+
+def test_each_measurement_is_logged_as_it_finishes(tmp_path):
+    from search.measure import Result  # noqa: PLC0415
+    from search.strategy import TaskSearch  # noqa: PLC0415
+
+    log = tmp_path / "batch.json"
+    search = TaskSearch(softmax_task(), TARGET, str(log), budget=8, batch=4)
+
+    def interrupted(func, candidates, dims, on_result=None):
+        on_result(1, Result(candidates[1], [5.0]))  # the second candidate finished first
+        raise KeyboardInterrupt  # Ctrl-C while the others run
+
+    with pytest.raises(KeyboardInterrupt):
+        search.step(interrupted, 4)
+    (record,) = read_records(str(log))
+    assert record["us"] == 5.0 and record["knobs"] == search.points[search.measured[0]]

@@ -24,7 +24,7 @@ def task(op, shape, weight=1):
 
 def oracle(search_by_func):
     """Latency as a smooth function of the features (what a model can learn) plus fixed per-point noise."""
-    def measure(func, candidates, dims):
+    def measure(func, candidates, dims, on_result=None):
         search = search_by_func[func]
         out = []
         for knobs in candidates:
@@ -74,7 +74,7 @@ def test_patience_stops_a_task_that_no_longer_improves(tmp_path):
     t = task("softmax", [8192, 4096])
     s = TaskSearch(t, TARGET, str(tmp_path / "flat.json"), budget=40, batch=4, patience=2)
 
-    def flat(func, candidates, dims):
+    def flat(func, candidates, dims, on_result=None):
         return [Result(k, [10.0]) for k in candidates]
 
     tune([s], flat, trials=40, progress=False)
