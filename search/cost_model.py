@@ -9,6 +9,7 @@ Saved to and loaded from a file (XGBoost's JSON format) beside the tuning logs.
 from __future__ import annotations
 
 import os
+import tempfile
 
 import numpy as np
 import xgboost as xgb
@@ -48,9 +49,19 @@ class CostModel:
         if self.booster is None:
             raise ValueError("an untrained cost model has nothing to save")
         root, ext = os.path.splitext(os.fspath(path))
-        tmp = f"{root}.tmp{ext}"  # XGBoost picks the format by the extension: keep it
-        self.booster.save_model(tmp)
-        os.replace(tmp, path)  # a crash mid-write leaves the previous model whole
+        # a name of this writer's own (two tuners sharing a log save beside each other), with the
+        # extension XGBoost picks its format by; the rename is atomic, so a reader or a crash
+        # mid-write sees the previous model whole
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(root) + ".", suffix=f".tmp{ext}",
+                                   dir=os.path.dirname(os.path.abspath(root)))
+        os.close(fd)
+        try:
+            self.booster.save_model(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "CostModel":

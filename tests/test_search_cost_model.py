@@ -40,3 +40,15 @@ def test_save_and_load_give_the_same_scores(tmp_path, rng):
         CostModel.load(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="untrained"):
         CostModel().save(tmp_path / "empty.json")
+
+
+def test_concurrent_saves_to_one_path_all_succeed_and_leave_one_whole_model(tmp_path, rng):
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    model = CostModel().fit([synthetic_task(rng), synthetic_task(rng, scale=3.0)])
+    path = tmp_path / "shared.model.json"  # two tuners sharing a log save their models here
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: model.save(path), range(200)))  # a failed save raises here
+    x = synthetic_task(rng)[0]
+    np.testing.assert_array_equal(CostModel.load(path).score(x), model.score(x))
+    assert [p.name for p in tmp_path.iterdir()] == ["shared.model.json"]  # no temporary file left behind
