@@ -41,6 +41,8 @@ POLL_S = 0.01
 COPY_TIMEOUT_S = 120.0  # seconds the copy-bandwidth measurement may take
 PARENT_POLL_S = 1.0  # how often a worker checks that the tuner that started it is alive
 START_S = 300.0  # seconds a spawned worker may take to import TVM before it is given up on
+WORKER_DID_NOT_START = "the measuring worker did not start"  # a failure of the machinery, not of the candidate:
+# its records do not count as measured, so a resumed run measures the point again
 
 
 @dataclass
@@ -456,7 +458,7 @@ class _Worker:
             pass
         if not self.ready and self.process.is_alive():
             if time.monotonic() - self.created > START_S:
-                return "error", f"the measuring worker did not start within {START_S:g} s"
+                return "error", f"{WORKER_DID_NOT_START} within {START_S:g} s"
             return None
         if not self.process.is_alive():
             try:  # it may have answered just before it ended

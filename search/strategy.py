@@ -18,7 +18,7 @@ from tvm_ext.records import append_record
 
 from .cost_model import CostModel
 from .features import SCHEMA, candidate_features
-from .measure import Result
+from .measure import WORKER_DID_NOT_START, Result
 from .space import knob_space
 from .tasks import Task
 
@@ -41,6 +41,8 @@ class TaskSearch:
         self.stale, self.batches = 0, 0
         self.improvement = 0.0  # relative gain of the last batch
         for rec in past:
+            if (rec.get("error") or "").startswith(WORKER_DID_NOT_START):
+                continue  # the machinery failed, not the candidate: measure it again
             i = self.points.index(rec["knobs"]) if rec["knobs"] in self.points else None
             if i is not None and i not in self.measured:
                 self.measured.append(i)

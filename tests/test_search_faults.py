@@ -169,3 +169,16 @@ def test_each_measurement_is_logged_as_it_finishes(tmp_path):
         search.step(interrupted, 4)
     (record,) = read_records(str(log))
     assert record["us"] == 5.0 and record["knobs"] == search.points[search.measured[0]]
+
+
+def test_a_point_whose_worker_never_started_is_measured_again_on_resume(tmp_path):
+    from search.measure import WORKER_DID_NOT_START  # noqa: PLC0415
+    from search.strategy import TaskSearch  # noqa: PLC0415
+
+    task, log = softmax_task(), str(tmp_path / "resumed.json")
+    fresh = TaskSearch(task, TARGET, log, budget=8)
+    machinery, candidate = fresh.points[:2]
+    append_record(log, task.func, TARGET, task.name, machinery, None, f"{WORKER_DID_NOT_START} within 300 s")
+    append_record(log, task.func, TARGET, task.name, candidate, None, "timed out after 60 s")  # the candidate's own
+    resumed = TaskSearch(task, TARGET, log, budget=8, past=list(read_records(log)))
+    assert [resumed.points[i] for i in resumed.measured] == [candidate]
