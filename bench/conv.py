@@ -21,7 +21,7 @@ from tvm.runtime.vm import VirtualMachine
 import tvm_ext
 from bench.report import write_json_and_markdown
 from bench.spelled import main_module
-from schedules import conv2d
+from tvm_ext.schedules import conv2d
 
 SHAPES = [(32, 256, 56, 56, 256), (32, 128, 28, 28, 128), (32, 64, 56, 56, 64)]
 

@@ -37,9 +37,9 @@ import torch  # noqa: E402  pylint: disable=wrong-import-order
 
 from bench.run import max_err, time_us, tvm_callable
 from examples.torch_models import make
-from schedules.analysis import is_reduce_subgraph
-from search.measure import task_bytes
-from search.tasks import extract_tasks
+from tvm_ext.schedules.analysis import is_reduce_subgraph
+from tvm_ext.search.measure import task_bytes
+from tvm_ext.search.tasks import extract_tasks
 
 REPEATS = 5  # profiled calls per model
 DEVICE_TIMED = ("ours_serial_launch", "torch_compile")  # device time as well as wall time (serial: kernels' own spans)

@@ -17,11 +17,11 @@ import tvm
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
-import schedules
+from tvm_ext import schedules
 from bench.measure_spaces import measured, table_tasks
 from bench.report import table_cli
-from search.cost_model import CostModel
-from search.features import candidate_features
+from tvm_ext.search.cost_model import CostModel
+from tvm_ext.search.features import candidate_features
 
 
 def per_store_features(func, target, points) -> np.ndarray:

@@ -23,8 +23,8 @@ from tvm.runtime.vm import VirtualMachine
 import tvm_ext
 from bench.report import write_json_and_markdown
 from bench.spelled import main_module
-from schedules import matmul, wgmma_matmul
-from schedules.device import device_of
+from tvm_ext.schedules import matmul, wgmma_matmul
+from tvm_ext.schedules.device import device_of
 from tvm_ext.target import without_arch_specific
 from tvm_ext.tir.tensorize import auto_tensorize
 

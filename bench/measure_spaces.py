@@ -20,9 +20,9 @@ from tvm.target import Target
 
 import tvm_ext
 from bench.suite import load_suite, relax_module
-from search.measure import Measurer
-from search.space import knob_space
-from search.tasks import extract_tasks
+from tvm_ext.search.measure import Measurer
+from tvm_ext.search.space import knob_space
+from tvm_ext.search.tasks import extract_tasks
 
 # Shapes the public suite does not have: the cost model must place them from the suite's log alone
 HIDDEN = [

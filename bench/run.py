@@ -17,7 +17,7 @@ import sys
 import time
 
 import tvm  # import TVM before torch (see the field guide)
-import schedules
+from tvm_ext import schedules
 import tvm_ext
 from tvm.runtime.vm import VirtualMachine
 from tvm_ext.pipeline import fused_reduce_functions

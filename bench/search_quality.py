@@ -18,12 +18,12 @@ import numpy as np
 
 from bench.measure_spaces import measured, table_tasks
 from bench.report import table_cli
-from search.cost_model import CostModel
-from search.features import candidate_features
-from search.measure import Result
-from search.scheduler import tune
-from search.strategy import TaskSearch
-from search.transfer import predict
+from tvm_ext.search.cost_model import CostModel
+from tvm_ext.search.features import candidate_features
+from tvm_ext.search.measure import Result
+from tvm_ext.search.scheduler import tune
+from tvm_ext.search.strategy import TaskSearch
+from tvm_ext.search.transfer import predict
 
 SEEDS, TRIALS = 10, 64
 

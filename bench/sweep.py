@@ -21,7 +21,7 @@ import tvm_ext
 from tvm_ext.pipeline import fused_reduce_functions
 from tvm_ext.records import append_record
 
-import schedules  # noqa: E402
+from tvm_ext import schedules  # noqa: E402
 import torch  # noqa: E402
 
 from bench.run import TORCH_DTYPE, max_err, time_us, torch_fn, tvm_callable  # noqa: E402

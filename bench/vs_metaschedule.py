@@ -27,9 +27,9 @@ from tvm.target import Target
 
 import tvm_ext
 from bench.suite import SUITE, load_suite, relax_module
-from search.measure import Measurer
-from search.tasks import extract_tasks
-from search.tuner import tune_model
+from tvm_ext.search.measure import Measurer
+from tvm_ext.search.tasks import extract_tasks
+from tvm_ext.search.tuner import tune_model
 from tvm_ext.relax import welford
 from tvm_ext.tir.intrinsics import import_tensor_intrinsics
 

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tvm  # noqa: E402
 
 from bench.suite import load_suite, relax_module  # noqa: E402
-from search.tuner import check_log, model_path, tune_model  # noqa: E402
+from tvm_ext.search.tuner import check_log, model_path, tune_model  # noqa: E402
 from tvm_ext.records import read_records  # noqa: E402
 from tvm_ext.target import parse_target  # noqa: E402
 

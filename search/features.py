@@ -14,11 +14,11 @@ import tvm
 from tvm import tirx
 from tvm.target import Target
 
-from schedules import conv2d, matmul, wgmma_matmul
-from schedules.analysis import ReducePattern, const_int, match
-from schedules.device import Device, device_of
-from schedules.dispatch import STRATEGIES
-from schedules.rows import cached_inputs, estimated_registers, row_bytes
+from tvm_ext.schedules import conv2d, matmul, wgmma_matmul
+from tvm_ext.schedules.analysis import ReducePattern, const_int, match
+from tvm_ext.schedules.device import Device, device_of
+from tvm_ext.schedules.dispatch import STRATEGIES
+from tvm_ext.schedules.rows import cached_inputs, estimated_registers, row_bytes
 
 NOMINAL = 4096  # stands for a symbolic extent
 NAMES = tuple(f"is_{name}" for name in STRATEGIES) + ("is_matmul", "is_conv2d") + (

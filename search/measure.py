@@ -31,7 +31,7 @@ from tvm import te, tirx
 from tvm.ir.expr import TensorLoad, TensorRegion
 from tvm.ir.prim.expr import Cast
 
-from schedules import conv2d, matmul
+from tvm_ext.schedules import conv2d, matmul
 
 from .features import NOMINAL
 
@@ -75,9 +75,9 @@ def _error_text(err: BaseException) -> str:
 
 def build_candidate(func_json: str, target_json: str, knobs: dict, out_dir: str) -> tuple[str, list]:
     """Schedule and compile one candidate; (library path, shapes of the zero-filled inputs it needs)."""
-    import schedules  # noqa: PLC0415  (imports here: this runs in a fresh worker)
+    from tvm_ext import schedules  # noqa: PLC0415  (imports here: this runs in a fresh worker)
     import tvm_ext  # noqa: F401,PLC0415  (registers our reducers, passes and source hook)
-    from schedules.contracts import ZEROED_INPUTS  # noqa: PLC0415
+    from tvm_ext.schedules.contracts import ZEROED_INPUTS  # noqa: PLC0415
     from tvm_ext.tir import TIR_PIPELINE  # noqa: PLC0415
 
     func, target = tvm.ir.load_json(func_json), tvm.target.Target(target_json)

@@ -26,7 +26,7 @@ from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 from tvm.s_tir.meta_schedule.database import JSONDatabase, MemoryDatabase, TuningRecord
 from tvm.target import Target
 
-import schedules
+from tvm_ext import schedules
 from tvm_ext.records import Database
 from tvm_ext.target import parse_target
 

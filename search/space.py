@@ -11,9 +11,9 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.target import Target
 
-from schedules.analysis import match
-from schedules.device import device_of
-from schedules.dispatch import STRATEGIES, contraction_template, heuristic_knobs
+from tvm_ext.schedules.analysis import match
+from tvm_ext.schedules.device import device_of
+from tvm_ext.schedules.dispatch import STRATEGIES, contraction_template, heuristic_knobs
 
 
 def knob_space(func: tirx.PrimFunc, target: Target) -> list[dict]:

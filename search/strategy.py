@@ -13,7 +13,7 @@ import random
 
 import numpy as np
 
-from schedules.dispatch import heuristic_knobs
+from tvm_ext.schedules.dispatch import heuristic_knobs
 from tvm_ext.records import append_record
 
 from .cost_model import CostModel

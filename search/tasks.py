@@ -16,8 +16,8 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.target import Target
 
-from schedules.analysis import is_reduce_subgraph
-from schedules import contraction_template
+from tvm_ext.schedules.analysis import is_reduce_subgraph
+from tvm_ext.schedules import contraction_template
 from tvm_ext.pipeline import fused_module
 from tvm_ext.records import task_key
 from tvm_ext.relax.bindings import CALL_TIR

@@ -218,7 +218,7 @@ def _unlowerable(a: T.Buffer((128,), "float32"), b: T.Buffer((1,), "float32")):
 
 
 def test_schedule_that_fails_in_lowering_falls_back(monkeypatch):
-    import schedules  # noqa: PLC0415
+    from tvm_ext import schedules  # noqa: PLC0415
 
     monkeypatch.setattr(schedules, "scheduled", lambda func, target: [(None, {}, s_tir.Schedule(_unlowerable))])
     with pytest.warns(UserWarning, match=r"tvm_ext: softmax: tvm_ext reduction templates failed \(InternalError: .*\); falling back to TVM.s default"):

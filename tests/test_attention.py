@@ -17,8 +17,8 @@ from tvm import relax
 
 import tvm_ext
 from bench.spelled import main_module
-from schedules import attention
-from schedules.strided_view import StridedView
+from tvm_ext.schedules import attention
+from tvm_ext.schedules.strided_view import StridedView
 from tvm_ext.relax.attention import fuse_attention
 from tvm_ext.relax.bindings import op_name
 

@@ -11,7 +11,7 @@ import tvm_ext
 from bench.conv import conv_func, relax_conv
 from bench.spelled import main_module
 from conftest import CUDA_TARGET
-from schedules import conv2d, dispatch
+from tvm_ext.schedules import conv2d, dispatch
 from tvm_ext.introspect import cuda_source
 
 
@@ -155,9 +155,9 @@ def test_every_tiling_is_right_on_the_gpu(rng):
 
 
 def test_the_tuner_sees_convolutions_with_the_heuristic_point_first():
-    from search.features import NAMES, candidate_features  # noqa: PLC0415
-    from search.space import knob_space  # noqa: PLC0415
-    from search.tasks import extract_tasks  # noqa: PLC0415
+    from tvm_ext.search.features import NAMES, candidate_features  # noqa: PLC0415
+    from tvm_ext.search.space import knob_space  # noqa: PLC0415
+    from tvm_ext.search.tasks import extract_tasks  # noqa: PLC0415
 
     target = tvm_ext.parse_target(CUDA_TARGET)
     tasks = extract_tasks(conv_scale_residual_relu(4, 64, 56, 56), target)
@@ -171,7 +171,7 @@ def test_the_tuner_sees_convolutions_with_the_heuristic_point_first():
 
 
 def test_the_cpu_reference_of_a_convolution_is_right(rng):
-    from search.measure import _reference  # noqa: PLC0415
+    from tvm_ext.search.measure import _reference  # noqa: PLC0415
 
     n, c, h, w, f = 2, 16, 9, 9, 8
     lib = tvm.compile(_reference(conv_func(n, c, h, w, f)).with_attr("global_symbol", "main"), target="llvm")

@@ -13,7 +13,7 @@ from bench.suite import relax_module
 from conftest import CUDA_TARGET
 from barriers import divergent_barriers
 from helpers import CASES
-from schedules.dispatch import DYNAMIC_ROW_VARIANTS
+from tvm_ext.schedules.dispatch import DYNAMIC_ROW_VARIANTS
 
 # bn_stats (mean and variance of the same x) is paired into one Welford kernel.
 KERNELS: dict = {}
@@ -159,7 +159,7 @@ def test_reductions_over_rows_left_in_memory_read_their_chunks_as_vectors():
     """Unstaged (cache off) and one chunk per lane (16 x 32 lanes = 512 columns), each lane's chunk
     reaches the reduction as 16-byte loads into registers, not one element per load: LLaMA's
     attention softmax at seq 512 (rows over two dims, so not staged) took 23 us that way, 20 now."""
-    from schedules import schedule  # noqa: PLC0415
+    from tvm_ext.schedules import schedule  # noqa: PLC0415
     from tvm_ext.tir import TIR_PIPELINE  # noqa: PLC0415
 
     mod = tvm.relax.transform.LegalizeOps()(relax_module("softmax", [64, 512], "float16"))
@@ -179,7 +179,7 @@ def _column_sum_then_bias(rows: int, knobs: dict):
     from tvm import relax  # noqa: PLC0415
 
     from bench.spelled import main_module  # noqa: PLC0415
-    from schedules import dispatch  # noqa: PLC0415
+    from tvm_ext.schedules import dispatch  # noqa: PLC0415
 
     x, bias = relax.Var("x", relax.TensorType([rows, 16, 512], "float32")), relax.Var("bias", relax.TensorType([512], "float32"))
     mod = main_module(lambda bb, x, bias: relax.op.add(relax.op.sum(x, axis=[0]), bias), [x, bias])

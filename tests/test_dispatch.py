@@ -6,14 +6,14 @@ import warnings
 import pytest
 from tvm import relax
 
-import schedules
+from tvm_ext import schedules
 import tvm_ext
 from bench.suite import relax_module
 from conftest import CUDA_TARGET
-from schedules import warp_row
-from schedules.analysis import match
-from schedules.device import Device, device_of
-from schedules.grid_reduce import joint_allocation
+from tvm_ext.schedules import warp_row
+from tvm_ext.schedules.analysis import match
+from tvm_ext.schedules.device import Device, device_of
+from tvm_ext.schedules.grid_reduce import joint_allocation
 from tvm_ext.pipeline import fused_reduce_functions
 
 TARGET = tvm_ext.parse_target(CUDA_TARGET)
@@ -94,7 +94,7 @@ def test_joint_allocation_reproduces_cinns_example():
 
 
 def test_a_proposal_its_strategy_refuses_falls_through_to_the_next(monkeypatch):
-    from schedules import warp_row  # noqa: PLC0415
+    from tvm_ext.schedules import warp_row  # noqa: PLC0415
 
     (plan,) = plans("softmax", [4096, 1000], "float16").values()
     assert plan[0][1]["strategy"] == "warp_row"

@@ -11,7 +11,7 @@ from tvm.support import nvcc
 import tvm_ext
 from bench.spelled import main_module
 from conftest import CUDA_TARGET
-from schedules import elementwise
+from tvm_ext.schedules import elementwise
 from tvm_ext.introspect import cuda_source
 
 op = relax.op

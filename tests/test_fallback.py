@@ -9,10 +9,10 @@ import tvm
 from tvm import relax
 from tvm.runtime.vm import VirtualMachine
 
-import schedules
+from tvm_ext import schedules
 import tvm_ext
 from bench.suite import relax_module
-from schedules import (block_row, column_reduce, conv2d, cpu_rows, elementwise, grid_reduce, grid_sync, matmul,
+from tvm_ext.schedules import (block_row, column_reduce, conv2d, cpu_rows, elementwise, grid_reduce, grid_sync, matmul,
                        warp_row, wgmma_matmul)
 from tvm_ext import fallback, pipeline
 from tvm_ext import tir as passes

@@ -14,8 +14,8 @@ from tvm.runtime.vm import VirtualMachine
 
 import tvm_ext
 from bench.spelled import main_module
-from schedules import dispatch, wgmma_matmul
-from schedules.contracts import gate_column
+from tvm_ext.schedules import dispatch, wgmma_matmul
+from tvm_ext.schedules.contracts import gate_column
 from tvm_ext.relax import parallel_matmuls
 from tvm_ext.relax.gated_linears import interleaved
 from tvm_ext.introspect import cuda_kernels, cuda_source
@@ -158,9 +158,9 @@ def test_the_gated_mlp_through_the_pipeline_on_gpu(rng):
 
 
 def test_the_tuner_takes_the_gated_matmul_as_a_wgmma_task():
-    from search.features import NAMES, candidate_features  # noqa: PLC0415
-    from search.space import knob_space  # noqa: PLC0415
-    from search.tasks import extract_tasks  # noqa: PLC0415
+    from tvm_ext.search.features import NAMES, candidate_features  # noqa: PLC0415
+    from tvm_ext.search.space import knob_space  # noqa: PLC0415
+    from tvm_ext.search.tasks import extract_tasks  # noqa: PLC0415
 
     mod, _ = mlp(512, 128, 8192)
     task = next(t for t in extract_tasks(mod, SM_90A) if "gated" in t.name)
@@ -171,7 +171,7 @@ def test_the_tuner_takes_the_gated_matmul_as_a_wgmma_task():
 
 
 def test_the_tuners_cpu_reference_of_the_gated_matmul_is_the_activation(always_joined, rng):
-    from search.measure import _reference  # noqa: PLC0415
+    from tvm_ext.search.measure import _reference  # noqa: PLC0415
 
     mod, weights = mlp(128, 64, 64)
     func = next(f for name, f in prim_funcs(fused_module(mod, SM_90A)).items() if "gated" in name)
@@ -189,8 +189,8 @@ def test_the_tuners_cpu_reference_of_the_gated_matmul_is_the_activation(always_j
 
 @pytest.mark.gpu
 def test_the_tuner_measures_gated_candidates_against_the_reference_on_gpu():
-    from search.measure import measure  # noqa: PLC0415
-    from search.space import knob_space  # noqa: PLC0415
+    from tvm_ext.search.measure import measure  # noqa: PLC0415
+    from tvm_ext.search.space import knob_space  # noqa: PLC0415
 
     mod, _ = mlp(512, 128, 8192)
     func = next(f for name, f in prim_funcs(fused_module(mod, SM_90A)).items() if "gated" in name)

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-import schedules
+from tvm_ext import schedules
 import tvm_ext
 from bench.suite import relax_module
 from conftest import CUDA_TARGET

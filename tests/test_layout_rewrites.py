@@ -9,7 +9,7 @@ from tvm import relax
 import tvm_ext
 from bench.spelled import main_module
 from conftest import CUDA_TARGET
-from schedules import matmul
+from tvm_ext.schedules import matmul
 from tvm_ext.introspect import cuda_source
 from tvm_ext.relax.layout_rewrites import activation_before_reshape, read_transposed_operand
 
@@ -181,7 +181,7 @@ def _fused_matmul(mod, target):
 
 
 def test_on_sm_90a_a_linear_reads_its_weight_as_stored():
-    from schedules import wgmma_matmul  # noqa: PLC0415
+    from tvm_ext.schedules import wgmma_matmul  # noqa: PLC0415
 
     mod, _ = linear(512, 448, 256)
     func = _fused_matmul(mod, SM_90A)

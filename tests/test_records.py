@@ -15,11 +15,11 @@ import pytest
 import tvm
 from tvm.runtime.vm import VirtualMachine
 
-import search.tuner
+from tvm_ext.search import tuner as search_tuner
 import tvm_ext
 from bench.suite import reference, relax_module
-from search.tasks import extract_tasks
-from search.tuner import tune_model
+from tvm_ext.search.tasks import extract_tasks
+from tvm_ext.search.tuner import tune_model
 from tvm_ext.records import Database, append_record, read_records
 
 TARGET = tvm_ext.parse_target("llvm")
@@ -147,7 +147,7 @@ def _no_work(*args, **kwargs):
 
 
 def test_a_directory_or_an_unwritable_log_is_refused_before_any_work(tmp_path, monkeypatch):
-    monkeypatch.setattr(search.tuner, "parse_target", _no_work)
+    monkeypatch.setattr(search_tuner, "parse_target", _no_work)
     mod = relax_module("softmax", [64, 300], "float32")
     with pytest.raises(IsADirectoryError, match=rf"^tuning log '{tmp_path}' is a directory: name a log file$"):
         tune_model(mod, TARGET, trials=2, log=str(tmp_path), progress=False)

@@ -196,7 +196,7 @@ def test_spelled_forms_get_the_single_ops_schedules_on_the_suite():
     """What lets a spelled-out norm run as fast as the op: the same strategy and knobs on every shape."""
     from bench.suite import load_suite, relax_module  # noqa: PLC0415
 
-    import schedules  # noqa: PLC0415
+    from tvm_ext import schedules  # noqa: PLC0415
     from tvm_ext.pipeline import fused_reduce_functions  # noqa: PLC0415
 
     target = tvm_ext.parse_target({"tag": "nvidia/nvidia-h100", "arch": "sm_90"})

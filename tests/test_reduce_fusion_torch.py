@@ -9,7 +9,7 @@ from tvm.runtime.vm import VirtualMachine
 
 import tvm_ext
 from conftest import CUDA_TARGET
-from schedules import dispatch
+from tvm_ext.schedules import dispatch
 
 torch = pytest.importorskip("torch")
 

@@ -10,8 +10,8 @@ import tvm_ext
 from bench import spelled
 from bench.suite import random_inputs, reference, relax_module
 from helpers import NP_DTYPE
-from search.measure import Measurer, build_candidate, check_outputs, output_bounds, output_count
-from search.tasks import extract_tasks
+from tvm_ext.search.measure import Measurer, build_candidate, check_outputs, output_bounds, output_count
+from tvm_ext.search.tasks import extract_tasks
 from test_search_measure import zeroing_builder
 
 CASES = [  # (op, shape, dtype): softmax rows of 1024, 4096 and 262144, norms, row, column and full sums
@@ -149,7 +149,7 @@ def first_output_zeroing_builder(*args):
     import tvm_ffi  # noqa: PLC0415
     from tvm import tirx  # noqa: PLC0415
 
-    import schedules  # noqa: PLC0415
+    from tvm_ext import schedules  # noqa: PLC0415
 
     real = schedules.schedule
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from search.cost_model import CostModel
+from tvm_ext.search.cost_model import CostModel
 
 
 def synthetic_task(rng, n=60, scale=1.0):

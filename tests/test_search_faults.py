@@ -12,7 +12,7 @@ import pytest
 
 import tvm_ext
 from bench.suite import relax_module
-from search.tasks import extract_tasks
+from tvm_ext.search.tasks import extract_tasks
 from tvm_ext.records import append_record, read_records
 
 TARGET = tvm_ext.parse_target("llvm")
@@ -155,8 +155,8 @@ def test_workers_of_a_killed_tuner_exit_within_seconds_and_free_its_pipes(tmp_pa
 
 
 def test_each_measurement_is_logged_as_it_finishes(tmp_path):
-    from search.measure import Result  # noqa: PLC0415
-    from search.strategy import TaskSearch  # noqa: PLC0415
+    from tvm_ext.search.measure import Result  # noqa: PLC0415
+    from tvm_ext.search.strategy import TaskSearch  # noqa: PLC0415
 
     log = tmp_path / "batch.json"
     search = TaskSearch(softmax_task(), TARGET, str(log), budget=8, batch=4)
@@ -172,8 +172,8 @@ def test_each_measurement_is_logged_as_it_finishes(tmp_path):
 
 
 def test_a_point_whose_worker_never_started_is_measured_again_on_resume(tmp_path):
-    from search.measure import WORKER_DID_NOT_START  # noqa: PLC0415
-    from search.strategy import TaskSearch  # noqa: PLC0415
+    from tvm_ext.search.measure import WORKER_DID_NOT_START  # noqa: PLC0415
+    from tvm_ext.search.strategy import TaskSearch  # noqa: PLC0415
 
     task, log = softmax_task(), str(tmp_path / "resumed.json")
     fresh = TaskSearch(task, TARGET, log, budget=8)

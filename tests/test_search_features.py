@@ -5,9 +5,9 @@ import numpy as np
 import tvm_ext
 from bench.suite import relax_module
 from conftest import CUDA_TARGET
-from search.features import NAMES, candidate_features
-from search.space import knob_space
-from search.tasks import extract_tasks
+from tvm_ext.search.features import NAMES, candidate_features
+from tvm_ext.search.space import knob_space
+from tvm_ext.search.tasks import extract_tasks
 
 TARGET = tvm_ext.parse_target(CUDA_TARGET)
 

@@ -9,10 +9,10 @@ from tvm.runtime.vm import VirtualMachine
 
 import tvm_ext
 from bench.suite import relax_module
-from schedules import contraction_template
-from search.measure import Result
-from search.tasks import extract_tasks
-from search.tuner import model_path, tune_model
+from tvm_ext.schedules import contraction_template
+from tvm_ext.search.measure import Result
+from tvm_ext.search.tasks import extract_tasks
+from tvm_ext.search.tuner import model_path, tune_model
 from tvm_ext.records import Database, append_record
 
 TARGET = tvm_ext.parse_target("llvm")
@@ -75,9 +75,9 @@ def _linear_bias(m, n, k):
 
 def test_a_tensor_core_matmul_is_a_task_on_a_gpu_with_the_template_tilings_as_its_space():
     from conftest import CUDA_TARGET  # noqa: PLC0415
-    from schedules import matmul  # noqa: PLC0415
-    from search.features import NAMES, candidate_features  # noqa: PLC0415
-    from search.space import knob_space  # noqa: PLC0415
+    from tvm_ext.schedules import matmul  # noqa: PLC0415
+    from tvm_ext.search.features import NAMES, candidate_features  # noqa: PLC0415
+    from tvm_ext.search.space import knob_space  # noqa: PLC0415
 
     mod, cuda = _linear_bias(2048, 1024, 512), tvm_ext.parse_target(CUDA_TARGET)
     assert extract_tasks(mod, TARGET) == []  # on the CPU matmuls stay TVM's

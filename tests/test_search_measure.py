@@ -10,9 +10,9 @@ import tvm
 import tvm_ext
 from bench.suite import relax_module
 from conftest import CUDA_TARGET
-from search.measure import Measurer, _reference, build_candidate, measure, run_candidate
-from search.space import knob_space
-from search.tasks import extract_tasks
+from tvm_ext.search.measure import Measurer, _reference, build_candidate, measure, run_candidate
+from tvm_ext.search.space import knob_space
+from tvm_ext.search.tasks import extract_tasks
 from test_search_loop import _linear_bias
 
 TARGET = tvm_ext.parse_target("llvm")
@@ -37,7 +37,7 @@ def zeroing_builder(*args):
     import tvm_ffi  # noqa: PLC0415
     from tvm import tirx  # noqa: PLC0415
 
-    import schedules  # noqa: PLC0415
+    from tvm_ext import schedules  # noqa: PLC0415
 
     real = schedules.schedule
 
@@ -108,7 +108,7 @@ def test_bf16_layer_norm_reference_is_right(tmp_path):
     import tvm  # noqa: PLC0415
 
     from conftest import CUDA_TARGET  # noqa: PLC0415
-    from search.measure import _expected  # noqa: PLC0415
+    from tvm_ext.search.measure import _expected  # noqa: PLC0415
 
     (t,) = extract_tasks(relax_module("layer_norm", [256, 512], "bfloat16"), tvm_ext.parse_target(CUDA_TARGET))
     expected = _expected(tvm.ir.save_json(t.func), {}, tvm.cpu(), str(tmp_path))
@@ -135,7 +135,7 @@ def test_a_matmul_reference_reads_float32_operands_on_parallel_rows(rng):
 
 
 def test_a_job_is_not_timed_out_for_its_workers_start_up():
-    from search.measure import _Pool  # noqa: PLC0415
+    from tvm_ext.search.measure import _Pool  # noqa: PLC0415
 
     pool = _Pool(1)  # a fresh spawned worker spends seconds importing TVM before it takes the job
     try:

@@ -6,11 +6,11 @@ import tvm_ffi
 from tvm import relax
 from tvm.s_tir.meta_schedule.database import JSONDatabase
 
-import schedules
+from tvm_ext import schedules
 import tvm_ext
 from bench.suite import relax_module
-from search.metaschedule import export_metaschedule, normalize_mod, workload_of
-from search.tasks import extract_tasks
+from tvm_ext.search.metaschedule import export_metaschedule, normalize_mod, workload_of
+from tvm_ext.search.tasks import extract_tasks
 from tvm_ext.pipeline import fused_module
 from tvm_ext.records import append_record
 

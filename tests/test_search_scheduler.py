@@ -7,11 +7,11 @@ import numpy as np
 import tvm_ext
 from bench.suite import relax_module
 from conftest import CUDA_TARGET
-from search.features import NAMES
-from search.measure import Result
-from search.scheduler import tune
-from search.strategy import TaskSearch
-from search.tasks import Task, extract_tasks
+from tvm_ext.search.features import NAMES
+from tvm_ext.search.measure import Result
+from tvm_ext.search.scheduler import tune
+from tvm_ext.search.strategy import TaskSearch
+from tvm_ext.search.tasks import Task, extract_tasks
 
 TARGET = tvm_ext.parse_target(CUDA_TARGET)
 COL = {name: i for i, name in enumerate(NAMES)}

@@ -4,12 +4,12 @@ import random
 
 import pytest
 
-import schedules
+from tvm_ext import schedules
 import tvm_ext
 from bench.suite import relax_module
 from conftest import CUDA_TARGET
-from search.space import knob_space
-from search.tasks import extract_tasks
+from tvm_ext.search.space import knob_space
+from tvm_ext.search.tasks import extract_tasks
 from tvm_ext.tir import check_builds
 
 CASES = [("layer_norm", [8192, 4096], "float16"), ("softmax", [4096, 1000], "float16"),

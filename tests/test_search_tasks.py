@@ -4,7 +4,7 @@ from tvm import relax
 
 import tvm_ext
 from bench.suite import relax_module
-from search.tasks import extract_tasks
+from tvm_ext.search.tasks import extract_tasks
 from tvm_ext.records import task_key
 
 

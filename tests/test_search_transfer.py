@@ -7,11 +7,11 @@ from tvm.runtime.vm import VirtualMachine
 
 import tvm_ext
 from bench.suite import relax_module
-from search.measure import Result
-from search.scheduler import tune
-from search.strategy import TaskSearch
-from search.tasks import extract_tasks
-from search.transfer import ModelDatabase
+from tvm_ext.search.measure import Result
+from tvm_ext.search.scheduler import tune
+from tvm_ext.search.strategy import TaskSearch
+from tvm_ext.search.tasks import extract_tasks
+from tvm_ext.search.transfer import ModelDatabase
 from tvm_ext.records import task_key
 
 TARGET = tvm_ext.parse_target("llvm")

@@ -4,7 +4,7 @@ that only a copy could give (where it must say None)."""
 import numpy as np
 import pytest
 
-from schedules.strided_view import StridedView
+from tvm_ext.schedules.strided_view import StridedView
 
 
 def gathered(source: np.ndarray, view: StridedView) -> np.ndarray:

@@ -14,7 +14,7 @@ import tvm_ext
 from bench.matmul import template_func as legalized_matmul
 from bench.spelled import main_module
 from conftest import CUDA_TARGET
-from schedules import matmul
+from tvm_ext.schedules import matmul
 from tvm_ext.tir.tensorize import infer_fragments, match_mma
 
 

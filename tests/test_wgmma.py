@@ -12,7 +12,7 @@ from tvm.runtime.vm import VirtualMachine
 import tvm_ext
 from bench.matmul import template_func
 from bench.spelled import main_module
-from schedules import dispatch, matmul, wgmma_matmul
+from tvm_ext.schedules import dispatch, matmul, wgmma_matmul
 from tvm_ext.introspect import cuda_source as cuda_source_of
 from tvm_ext.pipeline import fused_module
 
@@ -247,8 +247,8 @@ def test_linear_gelu_through_the_pipeline_on_gpu(rng):
 
 
 def test_on_sm_90a_the_tuner_searches_the_wgmma_points_and_records_of_the_other_template_give_way():
-    from search.features import NAMES, candidate_features  # noqa: PLC0415
-    from search.space import knob_space  # noqa: PLC0415
+    from tvm_ext.search.features import NAMES, candidate_features  # noqa: PLC0415
+    from tvm_ext.search.space import knob_space  # noqa: PLC0415
 
     func, sm_90a = template_func(2048, 1024, 512), tvm.target.Target(SM_90A)
     points = knob_space(func, sm_90a)

@@ -6,7 +6,16 @@ With TVM's runtime library alone (`TVM_USE_RUNTIME_LIB=1`, a deployment) it offe
 export: `load` and the introspection helpers.
 """
 
-import tvm
+import os
+
+# The repository keeps the schedule templates and the tuner in top-level folders, installed as
+# tvm_ext.schedules and tvm_ext.search (pyproject's package-dir); a source checkout used without
+# installing (PYTHONPATH=.) finds them the same way through this package's path.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isfile(os.path.join(_CHECKOUT, "schedules", "__init__.py")):
+    __path__.append(_CHECKOUT)  # noqa: F821  (a package's __path__)
+
+import tvm  # noqa: E402
 
 __version__ = "0.1.0"  # before the imports: export records it (api.py)
 

@@ -27,11 +27,11 @@ from tvm import relax, s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.target import Target
 
-import schedules
-from schedules.analysis import is_reduce_subgraph
-from schedules.device import device_of
-from schedules.elementwise import Elementwise
-from schedules.contracts import ZEROED_INPUTS
+from tvm_ext import schedules
+from tvm_ext.schedules.analysis import is_reduce_subgraph
+from tvm_ext.schedules.device import device_of
+from tvm_ext.schedules.elementwise import Elementwise
+from tvm_ext.schedules.contracts import ZEROED_INPUTS
 
 from . import fallback
 from .relax import welford

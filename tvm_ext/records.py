@@ -34,7 +34,7 @@ import tvm_ffi
 from tvm import tirx
 from tvm.target import Target
 
-from schedules.dispatch import knobs_problem
+from tvm_ext.schedules.dispatch import knobs_problem
 
 VERSION = 1
 

@@ -20,9 +20,9 @@ from tvm.ir.expr import GenericConst  # relax constants in 0.27
 from tvm.runtime.vm import VirtualMachine
 from tvm.target import Target
 
-from schedules import attention
-from schedules.device import device_of
-from schedules.strided_view import StridedView
+from tvm_ext.schedules import attention
+from tvm_ext.schedules.device import device_of
+from tvm_ext.schedules.strided_view import StridedView
 
 from .bindings import Bindings, op_name, static_shape
 from .legalize import legalizations

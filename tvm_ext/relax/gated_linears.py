@@ -25,7 +25,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from schedules.contracts import GATE_RUN, gate_column
+from tvm_ext.schedules.contracts import GATE_RUN, gate_column
 
 from .bindings import Bindings
 from .reduce_fusion import INJECTIVE, kernel_calls, merged_call, op_pattern, with_blocks

@@ -33,7 +33,7 @@ from tvm import relax, te
 from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.target import Target
 
-from schedules.device import device_of
+from tvm_ext.schedules.device import device_of
 
 from .bindings import op_name, shape_of, static_shape
 from .split_k import MAX_ROWS

@@ -28,8 +28,8 @@ from tvm import relax
 from tvm.ir.expr import GenericConst  # relax constants in 0.27
 from tvm.target import Target
 
-from schedules.contracts import WIDE_TILE, WIDE_TILE_WAVES
-from schedules.device import device_of
+from tvm_ext.schedules.contracts import WIDE_TILE, WIDE_TILE_WAVES
+from tvm_ext.schedules.device import device_of
 
 from . import gated_linears
 from .bindings import Bindings, op_name, shape_of, static_shape

@@ -36,7 +36,7 @@ import tvm
 import tvm_ffi
 from tvm import relax, s_tir, tirx
 
-from schedules.analysis import const_int, is_reduce_subgraph, substitute
+from tvm_ext.schedules.analysis import const_int, is_reduce_subgraph, substitute
 
 from .bindings import CALL_TIR
 

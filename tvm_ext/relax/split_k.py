@@ -15,8 +15,8 @@ from __future__ import annotations
 import tvm
 from tvm import relax, te, topi
 
-from schedules import matmul
-from schedules.contracts import TENSOR_CORE_DTYPES, WIDER
+from tvm_ext.schedules import matmul
+from tvm_ext.schedules.contracts import TENSOR_CORE_DTYPES, WIDER
 
 from .bindings import shape_of
 

@@ -16,8 +16,8 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from schedules.analysis import substitute
-from schedules.contracts import ZEROED_INPUTS
+from tvm_ext.schedules.analysis import substitute
+from tvm_ext.schedules.contracts import ZEROED_INPUTS
 
 from .bindings import CALL_TIR
 

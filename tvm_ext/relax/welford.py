@@ -23,7 +23,7 @@ from tvm import relax, te, tirx, topi
 from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.target import Target
 
-from schedules import reducers
+from tvm_ext.schedules import reducers
 
 _COMBINER, _IDENTITY = "tvm_ext.welford_combine", "tvm_ext.welford_identity"
 _PAIR_SUM, _PAIR_ZERO = "tvm_ext.pair_sum", "tvm_ext.pair_zero"

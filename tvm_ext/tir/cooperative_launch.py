@@ -18,7 +18,7 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
-from schedules.contracts import GRID_SYNC, extern_name
+from tvm_ext.schedules.contracts import GRID_SYNC, extern_name
 
 COOPERATIVE_LAUNCH = "tirx.use_cooperative_launch"
 DYNAMIC_SHARED_MEMORY = "tirx.use_dyn_shared_memory"  # TVM requires this tag to stay last

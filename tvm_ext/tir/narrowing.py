@@ -26,7 +26,7 @@ import tvm
 import tvm_ffi
 from tvm import relax, tirx
 
-from schedules.contracts import ZEROED_INPUTS
+from tvm_ext.schedules.contracts import ZEROED_INPUTS
 
 from ..relax.variants import rewrite_call_sites
 

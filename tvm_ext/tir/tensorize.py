@@ -41,9 +41,9 @@ from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 from tvm.s_tir.stmt import SBlock, SBlockRealize
 
-from schedules.analysis import substitute
-from schedules.contracts import TENSOR_CORE_DTYPES
-from schedules.matmul import WARP, multiply_accumulate
+from tvm_ext.schedules.analysis import substitute
+from tvm_ext.schedules.contracts import TENSOR_CORE_DTYPES
+from tvm_ext.schedules.matmul import WARP, multiply_accumulate
 
 from .intrinsics import import_tensor_intrinsics
 
