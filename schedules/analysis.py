@@ -1,10 +1,8 @@
 """Reduce-pattern analysis shared by every schedule template.
 
-A fused reduce subgraph, once its spatial producers are inlined, is a chain of blocks that all
-iterate over the same leading spatial axes (the "rows"): one or more reductions over the same
-trailing axes, then an epilogue that writes either one value per row or one per element.
-The templates differ only in how they map that chain onto threads, so the matching lives here.
-"""
+A fused reduce subgraph, producers inlined, is a chain of blocks over the same leading axes (the
+rows): reductions over the same trailing axes, then an epilogue. Templates differ only in how they
+map that chain onto threads, so the matching lives here."""
 
 from __future__ import annotations
 

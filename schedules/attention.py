@@ -1,33 +1,9 @@
-"""Fused softmax attention on Hopper (`wgmma`): softmax(Q K^T * scale [+ causal mask]) V in one kernel.
+"""Fused softmax attention on Hopper (`wgmma`): softmax(Q K^T * scale [+ mask]) V in one kernel.
 
-Why: spelled out, attention is three kernels around a materialized score matrix (batch x heads x
-seq x seq): BERT-base at seq 512 wrote and read it three times, 86 of its 295 us on an H200
-(bench/results/h200-2026-11-22-e2e-s10-final-bert-seq512.md). Here a block keeps `warpgroups x 64`
-query rows and walks the keys `block_n` at a time (the online softmax of FlashAttention): the
-scores of one key tile live in registers, their exponentials go to shared memory as the A operand
-of the P V multiply, and the running maximum and sum rescale the output accumulators.
-
-Per key tile: cp.async brings the next K and V tiles while the tensor cores work on this one;
-one `m64n{block_n}k16` per 16 of the head dim gives S; the row maxima and sums cross the four
-lanes that share a row by warp shuffles; one `m64n{dim}k16` per 16 keys adds P V. Shared tiles
-use the 128-byte swizzled layouts of schedules/wgmma_matmul.py: Q, K and P as k-major rows of 64,
-V ([keys, dim]) as an n-major B in 64-column atoms.
-
-Optionally an additive mask (fp16 or float32, logically [batch, seq_q, seq_kv], in practice a view
-that repeats one [b, 1, q, kv] mask over the heads with stride 0) is added to the scaled scores:
--inf keys get weight 0; a row whose every key is -inf gives 0 / 0 = NaN as softmax does, or 0 where
-`empty_rows_zero` (SDPA's guard). Finite values must be >= MASK_FLOOR, so that a row of them keeps
-a maximum above the running maximum's start.
-
-Logically Q [batch, seq, dim], K [batch, seq, dim], V [batch, seq, dim], fp16; output [batch, seq,
-dim] fp16. Each may be a view (schedules/strided_view.py) into a tensor of another shape: the packed
-qkv projection that the model slices q, k and v from, the [b, s, heads * dim] rows the output is
-merged into. Head dims 64 and 128, static sizes. A sequence that is not a multiple of the tiles
-(ViT's 65 tokens, a prompt of 100) runs in whole tiles: rows past its end are read clamped to its
-last row (finite values, no out-of-bounds load), their keys get no weight (MASKED, or -inf where a
-mask is added, so that a row the mask empties still comes out empty) and their outputs are not
-stored.
-"""
+FlashAttention's online softmax: no materialized score matrix. Q, K, V and the output may be
+strided views into other tensors. Limits: fp16, head dims 64 and 128, static sizes, finite mask
+values >= MASK_FLOOR; sequences that are not whole tiles run clamped. See
+docs/design.md#attention and docs/attention.md."""
 
 from __future__ import annotations
 
@@ -79,9 +55,8 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
     view, dtype: see `fits`), for these sizes; `scale` multiplies the scores; `given` places
     operands in other tensors (default: contiguous [batch, seq, dim] each); `empty_rows_zero`: a
     row whose every key the mask sets to -inf gives 0 (else NaN).
-    Defaults: one warpgroup per block, 64-key tiles, the fastest on every shape timed on an H200
-    (BERT 96 x 512 x 64, LLaMA 32 x 512/2048 x 128 causal; 2 warpgroups or 128 keys were 5-20%
-    slower: bench/results/h200-2026-11-22-s11-in-flight-and-attention.json)."""
+    Defaults: one warpgroup per block, 64-key tiles, the fastest on every BERT and LLaMA shape
+    timed (measured: see docs/design.md#attention)."""
     if not fits(batch, seq_q, seq_kv, dim, causal, warpgroups, block_n, given, mask):
         raise ValueError(f"attention kernel does not take batch={batch} seq={seq_q}x{seq_kv} dim={dim} "
                          f"causal={causal} with {warpgroups} warpgroups and {block_n}-key tiles"

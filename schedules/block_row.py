@@ -14,8 +14,8 @@ from .rows import (cached_inputs, estimated_registers, row_bytes, schedule_rows,
 
 NAME = "block_row"
 BYTES_PER_THREAD = 64  # four 16-byte loads in flight per thread: best or near it in bench.sweep
-# Rows re-read from memory with an element-wise epilogue run 2.4x faster at 512 threads than at
-# 1024 (softmax 256x262144 f32 on the H200: 2053 against 848 GB/s, bench/results sweep logs).
+# Rows re-read from memory with an element-wise epilogue run much faster at 512 threads than at
+# 1024: the smaller block leaves room for more blocks per SM (docs/design.md#row-and-column-templates).
 MAX_THREADS_UNCACHED_EPILOGUE = 512
 
 
@@ -38,9 +38,9 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
 
 def _by_occupancy(threads: int, pattern: ReducePattern, device: Device, smem: int) -> int:
     """Halve the block while that keeps a quarter more threads resident per SM (registers and the
-    staged row permitting); on smaller gains the larger block stays. LayerNorm over 32k f16 rows
-    runs 13% faster at 512 threads than at 1024, where 40 registers a thread leave room for one
-    block (bench/results/h200-2026-11-21-sweep-occupancy.log)."""
+    staged row permitting); on smaller gains the larger block stays. E.g. LayerNorm over 32k f16
+    rows at 1024 threads and 40 registers a thread leaves room for one block per SM (measured: see
+    docs/design.md#row-and-column-templates)."""
     registers = estimated_registers(pattern)
 
     def resident(t):

@@ -18,11 +18,10 @@ FEW_ROWS = 16  # rows a thread adds alone (at most the parts of a split K)
 def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
     if not device.is_gpu or pattern.layout != COLUMN:
         return None
-    # 16 columns x 64 lanes: 64-byte row segments and enough blocks (sum over 131072x1024 f32 on
-    # the H200: 3404 GB/s, against 2658 at 32 x 32; bench/results sweep log). A few rows (the 2-16
-    # partial products of a split K) are summed by each thread alone, 256 columns per block: 64
-    # lanes would mostly idle and meet in a shared-memory tree for nothing (the split 16 x 4096 x
-    # 4096 matmul with its 4 x 65536 sum: 21.3 us with 64 lanes, 20.6 with none, two H200 runs).
+    # 16 columns x 64 lanes: 64-byte row segments and enough blocks (faster than 32 x 32; see
+    # docs/design.md#row-and-column-templates). A few rows (the 2-16 partial products of a split K)
+    # are summed by each thread alone, 256 columns per block: 64 lanes would mostly idle and meet
+    # in a shared-memory tree for nothing (docs/design.md#split-k).
     rows = const_int(pattern.reduce_extent)
     if rows is not None and rows <= FEW_ROWS:
         return {"strategy": NAME, "cols": 256, "lanes": 1}

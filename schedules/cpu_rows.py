@@ -1,10 +1,7 @@
 """CPU strategy: rows in parallel across cores, each row's whole chain computed while it is in cache.
 
-Each reduction over a long row keeps `lanes` partial results (TVM's rfactor) that are combined
-at the end: a float32 sum or Welford state then carries the rounding of n/lanes serial steps,
-not of n (variance of 262144 values at mean 1e4: 6.7e-5 relative error serially, under 1e-6
-with 64 lanes).
-"""
+A long row's reduction keeps `lanes` partials (rfactor) combined at the end, so a float32 sum or
+Welford state carries the rounding of n/lanes serial steps, not of n."""
 
 from __future__ import annotations
 

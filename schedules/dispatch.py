@@ -1,11 +1,8 @@
 """Knobs in, Schedule out: pick a strategy for a fused reduce PrimFunc.
 
-With knobs from a tuning record the named strategy is applied as recorded (a record of a
-contraction template the target does not pick, such as a thread-level matmul record on sm_90a,
-gives way to the heuristic); without, each strategy in turn may propose heuristic knobs for the
-pattern; the first proposal that its strategy also applies wins. A strategy that does not fit returns None, like TVM's dlight
-rules, and when none fits the caller falls back to TVM.
-"""
+A tuning record's strategy is applied as recorded (a contraction record the target does not pick
+gives way to the heuristic); else the first strategy whose proposed knobs also apply wins. None
+means no strategy fits, like dlight, and the caller falls back to TVM."""
 
 from __future__ import annotations
 
@@ -23,7 +20,7 @@ CONTRACTIONS = {s.NAME: s for s in (matmul, wgmma_matmul, conv2d)}  # GPU templa
 
 # A symbolic row width gets one kernel per width class, chosen at run time (tvm_ext.relax.variants).
 # No class stages its rows: TVM sizes a symbolic shared-memory stage by the whole tensor, not the
-# block's rows (seen on the H200: "Failed to set the allowed dynamic shared memory size to 1048576").
+# block's rows (the launch fails: "Failed to set the allowed dynamic shared memory size to ...").
 DYNAMIC_ROW_VARIANTS = [
     (1024, {"strategy": "warp_row", "group": 32, "rows_per_block": 4, "vec": 1, "cache": False}),
     (16384, {"strategy": "block_row", "threads": 256, "vec": 1, "cache": False}),

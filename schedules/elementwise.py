@@ -1,13 +1,8 @@
 """GPU strategy for elementwise functions: `LANES` adjacent outputs per thread, loaded and stored as vectors.
 
-dlight's fallback gives each thread one element, so each 2- or 4-byte load and store is its own
-instruction: the normalisation after ResNet's batch statistics (read x, write y, 205 MB) ran at
-1.6 TB/s on an H200. Taken only where every input is read along the output's innermost axis with
-stride 1 within each vector, or not at all (a per-channel scale, a statistic): then the vector
-accesses are contiguous; a transpose of that axis stays with dlight. Where a choice depends on the
-lane (LLaMA's rotate_half), and where the output is bool (TVM's CUDA codegen misprints a bool vector
-store), the LANES elements of a thread lie THREADS apart instead, unrolled.
-"""
+dlight's fallback gives one element per thread, one instruction per 2- or 4-byte access. Taken only
+where every input is read contiguously along the output's innermost axis or broadcast; where a
+choice depends on the lane or the output is bool, a thread's elements lie THREADS apart instead."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
-"""GPU strategy for few rows with a huge reduce axis (row sums of 64 rows, full sums, channel means).
+"""GPU strategy for few rows with a huge reduce axis: several blocks per row in one launch.
 
-One kernel launch: `blocks_per_row` blocks share each row; every block reduces its chunk and stores
-the partial, then takes a ticket from a per-row counter (`__threadfence` + `atomicAdd`); the block
-that draws the last ticket combines the partials, runs the epilogue and resets the counter to zero
-for the next launch. The counter and the partials are two extra inputs that the pipeline passes as
-zero-filled constants (`ZEROED_INPUTS`), so no launch is spent on clearing them.
-
-Cross-thread reductions inside a block are TVM's (shuffles + shared memory); the inter-block
-protocol is written here as s_tir, because no schedule primitive expresses it. The reduce
-expression and the epilogue are spliced in from the fused function itself.
-"""
+Blocks store partials and take a per-row ticket (`__threadfence` + `atomicAdd`); the last combines,
+runs the epilogue and resets the counter. Counter and partials are zero-filled constant inputs
+(`ZEROED_INPUTS`). The inter-block protocol is written as s_tir: no schedule primitive expresses it."""
 
 from __future__ import annotations
 

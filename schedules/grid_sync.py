@@ -1,19 +1,8 @@
 """GPU strategy for few, huge rows whose reductions feed work on every element (RMSNorm, softmax).
 
-One cooperative kernel launch: `blocks_per_row` blocks share each row. For each reduction in
-turn, every block reduces its chunk, publishes the partial, and waits at a grid-wide barrier
-(`cooperative_groups::this_grid().sync()`); then every block combines its row's partials itself
-and goes on, so a reduction may use the ones before it (softmax: max, then the sum of
-exp(x - max)) and the epilogue runs on each block's own chunk in the same kernel.
-
-A grid barrier is only safe when every block is resident at once. The kernel is therefore
-launched cooperatively (the driver refuses a grid that cannot be co-resident instead of
-hanging); tvm_ext/tir/cooperative_launch.py asks for that launch and supplies the header.
-Grids are sized to half the SM's thread slots so that up to 64 registers per thread still fit.
-
-Reductions are single values (sum, max, min) or a multi-value state whose merge rule is
-registered in schedules/reducers.py (Welford's (M2, mean, count) for LayerNorm's statistics).
-"""
+One cooperative launch; per reduction, blocks publish partials, meet at a grid barrier and each
+combines its row's partials, so later reductions and the epilogue run in the same kernel. Needs
+every block resident: grids are sized to half the SM's thread slots (up to 64 registers a thread)."""
 
 from __future__ import annotations
 

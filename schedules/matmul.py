@@ -1,17 +1,8 @@
 """Thread-level matmul template: the plain CUDA schedule the auto-tensorization pass recognises.
 
-`C[i, j] += cast(A[i, k]) * cast(B[k, j])` (fp16/bf16 in, fp32 out; int8 in, int32 out) is tiled
-as the PAI paper's schedule writer would: a block computes a `block_m x block_n` tile, its warps
-(`threadIdx.y`) form a grid of `block_m / warp_m` rows by `warp_n` columns of warp tiles, and
-within a warp each lane (`threadIdx.x`, 32 of them) owns `thread_n` adjacent columns of every row of
-the warp tile. So a warp covers a `warp_m x 32 * thread_n` region of C: whole 16x16 tiles when
-`warp_m` is a multiple of 16 and 32 * thread_n of 16 — the mapping the pass relies on when it hands
-the region to one warp-wide mma. A and B pass through shared memory (`block_k` columns of A and rows
-of B per step, fetched by all threads together, `vec` elements per copy, rows padded by `pad`
-elements) and registers; C accumulates in registers. With `stages` > 1 the shared-memory copies of
-the next `stages - 1` steps of k are in flight (asynchronous copies, `cp.async`) while the tensor
-cores work on the current one: TVM's software pipelining, which the pass keeps.
-"""
+A block computes a `block_m x block_n` tile of C with a grid of warp tiles; each lane owns
+`thread_n` adjacent columns, so a warp covers whole 16x16 tiles, the mapping tir/tensorize.py
+needs. A and B go through padded shared memory by `cp.async` with `stages` in flight. fp16/int8."""
 
 from __future__ import annotations
 
@@ -27,7 +18,7 @@ from .contracts import TENSOR_CORE_DTYPES, WIDER
 NAME = "matmul"
 WARP = 32
 STATIC_SHARED = 48 * 1024  # bytes of static shared memory a block may declare
-MAX_SHARED = 227 * 1024  # the most shared memory a block may opt in to (sm_90: H100, H200)
+MAX_SHARED = 227 * 1024  # the most shared memory a block may opt in to (sm_90)
 
 
 def multiply_accumulate(store) -> tuple | None:
@@ -117,11 +108,11 @@ def _has_root(sch) -> bool:
 
 
 # (block_m, warp_m, thread_n, warp_n, block_k, stages): the tilings the heuristic, the tuner and the
-# matmul bench choose from; large output tiles first (each shared-memory tile reused more: at 128 x
-# 128 the 4096^3 product was bound by L2 bandwidth on an H200), then the small ones that keep every
+# matmul bench choose from; large output tiles first (each shared-memory tile reused more: 128 x
+# 128 tiles leave a large product bound by L2 bandwidth), then the small ones that keep every
 # SM busy when M or N is small (at M = 16, one warp per 16 x 64 tile:
-# the product streams B, and 8-12 stages keep enough of it in flight: 23 TFLOP/s on an H200, where
-# 4 stages gave 18 and the unpipelined tile 3).
+# the product streams B, and 8-12 stages keep enough of it in flight; fewer stages starve the
+# tensor cores; docs/design.md#auto-tensorization-mmasync).
 TILINGS = [
     (128, 64, 2, 4, 32, 4), (128, 64, 2, 4, 64, 3), (256, 64, 2, 2, 32, 4), (128, 64, 2, 2, 64, 3),
     (128, 64, 2, 2, 32, 4), (128, 64, 2, 2, 64, 2), (128, 32, 2, 4, 32, 3), (128, 32, 2, 2, 32, 3),
@@ -204,7 +195,7 @@ def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule]
                          if count < 0.9 * sm_count]
 
     whole = [knobs for knobs in candidates if m % knobs["block_m"] == 0 and n % knobs["block_n"] == 0]
-    # tiles that divide C first: padding M = 16 up to 128-row tiles did 8x the work (4 TFLOP/s, not 24)
+    # tiles that divide C first: padding M = 16 up to 128-row tiles does 8x the work
     for knobs in ranked(whole) + ranked([knobs for knobs in candidates if knobs not in whole]):
         sch = apply(func, knobs)
         if sch is not None:

@@ -1,10 +1,7 @@
 """Multi-value reducers by name, for templates that merge partial states themselves.
 
-TVM's schedule learns a tuple reducer (Welford's (M2, mean, count)) through RegisterReducer and
-then lowers cross-thread merges on its own. The grid strategies also merge the partial states of
-different blocks in steps they write out; for that they look the rule up here, by the name the
-reduction block carries in its ANNOTATION. Whoever builds such a reduction registers it.
-"""
+The grid strategies merge partial states of different blocks in steps they write out, so they
+look the combine rule up here by the name in the reduction block's ANNOTATION."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """The row-chain schedule both row strategies are made of (warp_row, block_row).
 
-`rows_per_block` rows share a thread block along threadIdx.y; each row's reduce axis is spread
-over `threads` lanes of threadIdx.x in chunks of `vec` adjacent elements. Every reduction of the
-chain is computed under its row and combined across the lanes by TVM's cross-thread reduction
-(warp shuffles, plus one shared-memory round when the lanes span several warps). With `cache`,
-inputs read by more than one block of the chain (LayerNorm reads x three times) are first staged
-in shared memory with wide loads, so they cross HBM once.
-"""
+`rows_per_block` rows per block on threadIdx.y, each row's reduce axis over `threads` lanes in
+chunks of `vec`; reductions combine by TVM's cross-thread reduction. With `cache`, inputs read by
+several blocks of the chain are staged once in shared memory."""
 
 from __future__ import annotations
 
@@ -20,8 +16,8 @@ UNROLL = 256
 # TVM 0.27's CUDA codegen emits a broadcast of 8 float32 lanes as make_ulonglong4(8 floats), which
 # nvcc rejects; epilogues compute in float32, so they vectorize by at most 4 lanes (float4).
 MAX_EPILOGUE_LANES = 4
-# Rows staged in shared memory up to this size were measured correct and fastest on an H200
-# (bench.sweep: softmax 2048x32768 f16, 3740 GB/s staged against 1964 re-read); larger is untried.
+# Rows staged in shared memory up to this size are measured correct and faster than re-reading
+# them (docs/design.md#row-and-column-templates); larger stages are untried.
 SMEM_CACHE_LIMIT = 64 * 1024
 # Shared memory a block may use without opting in to more (CUDA's 48 KB, static and dynamic
 # together; all of a static stage's), less 1 KB for what TVM's cross-thread reductions declare
@@ -51,7 +47,7 @@ def vector_choices(pattern: ReducePattern) -> list[int]:
 def cached_inputs(pattern: ReducePattern) -> list:
     """Inputs read by two or more blocks of the chain, laid out as [rows..., row elements...]:
     staging those saves HBM traffic. A strided row (batch statistics of NCHW over N, H, W) is
-    not staged: TVM sized such a stage by the whole tensor (3 MB, refused at launch on the H200)."""
+    not staged: TVM sizes such a stage by the whole tensor, which the launch refuses."""
     sch = pattern.sch
     layout = [iv.dom.extent for iv in sch.get(pattern.reductions[0].block_rv).iter_vars]
     return [buf for buf in pattern.input_buffers()
@@ -86,10 +82,10 @@ def rows_fit(pattern: ReducePattern, rows_per_block: int) -> bool:
 
 def stage_is_bounded(pattern: ReducePattern, rows_per_block: int) -> bool:
     """Whether TVM can size a shared-memory stage of `rows_per_block` rows by the block's rows: with a
-    symbolic row count and several rows per block it sizes it by the whole tensor instead (seen on
-    the H200: the example model's n x 512 stage failed to launch at n = 77); with rows spread over
-    several non-unit dims (attention scores, 8 x 12 x 128 rows) it bounds each dim separately, with
-    extents that are not constant, and the stage cannot be bound to threads (BERT's softmax fell back)."""
+    symbolic row count and several rows per block it sizes it by the whole tensor instead, and the
+    launch fails for large enough n; with rows spread over several non-unit dims (attention scores,
+    8 x 12 x 128 rows) it bounds each dim separately, with extents that are not constant, and the
+    stage cannot be bound to threads."""
     if rows_per_block == 1:
         return True
     sch = pattern.sch
@@ -161,7 +157,7 @@ def _wide_reads(sch: s_tir.Schedule, reduction, outer, buffers) -> None:
     Read element by element, a thread's 16-byte chunk of a staged row costs 8 shared-memory loads
     that conflict 4 ways (the threads' chunks are 16 bytes apart); one `ld.shared.v4` instead. From
     global memory, each element load of a warp touches 32 sectors 16-32 bytes apart, so the chunk
-    is fetched 8-16 times through L1 (the fused attention softmax ran at 1.3-1.5 TB/s on an H200).
+    is fetched 8-16 times through L1.
     """
     for buf in buffers:
         reads = sch.get(reduction).reads
@@ -183,8 +179,8 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
     """The chain of `pattern` with rows along blockIdx.x/threadIdx.y, lanes along threadIdx.x.
 
     `reduce_vec`: adjacent elements a lane takes per step in the reductions (default `vec`; also
-    for rows read from global memory, where it beat 1 by 9% on batch statistics, 128x256x56x56 f32
-    on the H200: bench/results/h200-2026-11-21-sweep-reduce-vec.log).
+    for rows read from global memory, where wider steps beat 1 on batch statistics; measured: see
+    docs/design.md#row-and-column-templates).
     """
     reduce_vec = reduce_vec or vec
     if not rows_fit(pattern, rows_per_block) or cache and not stage_is_bounded(pattern, rows_per_block):
@@ -227,11 +223,12 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
     width = const_int(pattern.reduce_extent)
     if reduce_vec > 1 and width is not None and width % (threads * reduce_vec) == 0:
         # only without a tail chunk: under the tail's predicate TVM puts the barrier that guards
-        # the register copy inside `if (threadIdx.x < ...)`, and the block deadlocks (seen on the
-        # H200 with log_softmax over 3000 columns)
-        # From memory only when a lane's chunk is its whole share of the row (LLaMA's attention
-        # softmax on the H200: 23 -> 20 us at 512 columns, one chunk per lane; 419 -> 517 us at 2048,
-        # four chunks). Bool aside: TVM 0.27 has no CUDA type for a register vector of bools.
+        # the register copy inside `if (threadIdx.x < ...)`, and the block deadlocks (e.g.
+        # log_softmax over 3000 columns)
+        # From memory only when a lane's chunk is its whole share of the row: with several chunks
+        # per lane the register copies cost more than they save (measured on LLaMA's attention
+        # softmax: docs/design.md#row-and-column-templates). Bool aside: TVM 0.27 has no CUDA type
+        # for a register vector of bools.
         one_chunk = width == threads * reduce_vec
         read_from_memory = [buf for buf in pattern.input_buffers() if str(buf.dtype) != "bool"
                             and not any(buf.same_as(s) for s in staged_buffers)] if one_chunk else []

@@ -1,17 +1,8 @@
-"""Where each element of a tensor lies in another tensor's memory, across reshapes, transposes,
-slices and broadcasts: lets a kernel read its operands where their producer left them, and write
-its result where the consumer wants it, instead of after copy kernels.
+"""Where each element of a tensor lies in another tensor's memory, across reshapes, transposes, slices and broadcasts.
 
-Why: BERT's attention takes q, k and v from one packed projection, `[b, s, 3, heads, dim]`
-permuted and sliced, and gives back `[b, heads, s, dim]` transposed to `[b, s, heads * dim]`;
-imported, those are five copy kernels (about 24 us of the layer's 241 at seq 512 on an H200,
-bench/results/h200-2026-11-22-e2e-s11-final.md). Each is only a different address for the same
-element, which a view describes exactly.
-
-A view gives each logical axis as pieces (size, stride), outer first: logical index i of an axis
-with pieces (2, 768), (12, 64) lies at (i // 12) * 768 + (i % 12) * 64 — the merged batch-and-heads
-axis of BERT's q. Broadcast axes have stride 0. Pieces of size 1 are dropped.
-"""
+Lets a kernel read operands where their producer left them and write where the consumer wants
+them, instead of after copy kernels. A view gives each logical axis as (size, stride) pieces,
+outer first; broadcast axes have stride 0; size-1 pieces are dropped."""
 
 from __future__ import annotations
 

@@ -1,45 +1,9 @@
 """Warpgroup matmul (Hopper `wgmma`): the fp16 matmul template for sm_90a targets.
 
-Why a second matmul template: the thread-level one (matmul.py, tensor cores through the
-auto-tensorization pass) issues `mma.sync` from each warp and stops near half of cuBLAS on an
-H200 (the tensor pipe waits on register operands, bench/results/*-matmul-ncu-128x256.txt). On
-Hopper a warpgroup (4 warps) multiplies a 64 x N x 16 step whose operands the tensor cores read
-straight from shared memory. TVM 0.27 schedules do not reach that instruction, but its TIR has the
-PTX intrinsics (`T.ptx` wgmma, cp.async, fence.proxy.async, the matrix descriptor), so this
-template writes the kernel itself:
-
-- a block computes `block_m x block_n` of C with `block_m / 64` warpgroups, each 64 rows by
-  `block_n` (one `m64n{block_n}k16` per 16 of k, f32 accumulators in registers);
-- 64 of k per stage, `stages` shared-memory stages filled by cp.async (every thread, 16 bytes
-  each) ahead of the tensor cores; a block alone on its SM keeps one step's wgmma group in flight
-  while it issues the next (copies then run `stages - 2` tiles ahead, never into the stage still
-  read), two blocks sharing an SM hide each other's waits and copy `stages - 1` ahead;
-- or (knob `tma`) filled by the Tensor Memory Accelerator: one more warp issues a bulk tensor copy
-  per operand tile as soon as the warpgroups release its stage (an mbarrier per stage each way),
-  from descriptors the host encodes per call (`T.tensormap_encode_tiled`, passed as
-  `__grid_constant__ CUtensorMap`s). The warpgroups then only wait and multiply, and the copies
-  run ahead by every free stage. H200, -s14-tma.json: +4-27% where a block is alone on its SM
-  with 4 or more stages (4096^3 533 -> 567 TFLOP/s, 512 x 4096 x 11008 in 64 x 256 tiles 508 ->
-  586), slower with 2 stages. Clusters of two blocks each loading half of B into both (TMA
-  multicast) were measured too and gained nothing here, so are not kept;
-- shared tiles in the 128-byte swizzled layouts the descriptors name: A (and a k-major B, a
-  [n, k] weight) as rows of 64 k; an n-major B ([k, n]) in atoms of 64 columns;
-- the elementwise work FuseOps put after the matmul (the cast back to fp16, a bias, a residual, an
-  activation) is computed on the accumulators as they are staged in shared memory, from where C
-  is written in 16-byte stores (2-byte stores straight from the registers made BERT slower); a
-  gated epilogue (tvm_ext/relax/gated_linears.py: SwiGLU over an interleaved gate and up) reads two
-  accumulators of one thread per output element and stages half of C's columns;
-- consecutive blocks walk down `group` rows of tiles before the next column (B's columns stay in L2).
-
-Shapes: fp16 operands, f32 accumulation, static sizes, N and K multiples of 64, A read along k.
-Anything else is left to the thread-level template (at 4096 x 1000 x 1024 with an fp32 C, wgmma
-tiles passing N's edge made 234-263 TFLOP/s against its 258-277). The last row of tiles may pass
-C's edge (a prompt of any length: 2 x 100 rows): its copies of A repeat A's last row there (TMA
-fills zeros) and nothing past the edge is stored. The last column of tiles may pass C's edge by a
-little, the same way with B's last columns. So a 128 x 224 tile over a k-major B can make whole waves of blocks where 128 x 256
-leaves the last one half empty (512 x 22016 x 4096: 396 blocks, three waves of 132, against 344;
-510 TFLOP/s against 484 on an H200, bench/results/h200-2026-11-22-s13-partial-tiles.json).
-"""
+`mma.sync` (matmul.py) stops near half of cuBLAS on Hopper; wgmma reads operands from shared
+memory. TVM schedules do not reach it, so this template writes the kernel with TVM's PTX
+intrinsics. Limits: fp16, static sizes, N and K multiples of 64, A read along k; anything else goes
+to the thread-level template. See docs/design.md#warpgroup-matmuls-wgmma."""
 
 from __future__ import annotations
 
@@ -131,7 +95,7 @@ def _points(found) -> list[dict]:
 
 def _tma_fits(block_m: int, block_n: int, stages: int) -> bool:
     """Whether TMA may load these stages: enough of them for the loads to run ahead (with two, TMA
-    was 5-30% slower than cp.async on an H200, -s14-tma.json) and room for their barriers."""
+    is slower than cp.async: docs/design.md#warpgroup-matmuls-wgmma) and room for their barriers."""
     return stages >= TMA_MIN_STAGES and stages * (stage_bytes(block_m, block_n) + BARRIER_BYTES) <= matmul.MAX_SHARED
 
 
@@ -157,8 +121,7 @@ def block_count(batch: int, m: int, n: int, block_m: int, block_n: int) -> int:
 
 def _group(row_tiles: int) -> int:
     """Rows of tiles consecutive blocks walk down before the next column: 8 (or 4) where they
-    divide the rows; H200, bench/results/h200-2026-11-22-wgmma-raster.json: +2-4% on 8192^3,
-    1024 x 11008 x 4096 and 512 x 11008 x 4096, within 1% elsewhere."""
+    divide the rows, so B's columns stay in L2 (measured: see docs/design.md#warpgroup-matmuls-wgmma)."""
     return next((g for g in (8, 4) if row_tiles % g == 0), 0)
 
 
@@ -175,9 +138,8 @@ def _stage_counts(block_m: int, block_n: int) -> list[int]:
 
 def _in_flight(block_m: int, block_n: int, stages: int) -> int:
     """1 where a block is alone on its SM: its tensor cores then keep one wgmma group in flight
-    (128 x 256 tiles: 456 -> 543 TFLOP/s on 4096^3); with two blocks per SM the other block fills
-    the wait, and a stage more of copies ahead was faster (LLaMA-512's 512 x 4096 projections 33 us
-    against 36 in the whole layer, -e2e-s10-final against -e2e-s11)."""
+    while it issues the next; with two blocks per SM the other block fills the wait, and a stage
+    more of copies ahead is faster (measured: see docs/design.md#warpgroup-matmuls-wgmma)."""
     return int(stages * stage_bytes(block_m, block_n) > TWO_PER_SM)
 
 
@@ -196,18 +158,13 @@ def stage_bytes(block_m: int, block_n: int) -> int:
     return (block_m + block_n) * K_TILE * 2
 
 
-# (tile, waves of blocks it must give, stage count, least K), first fit wins. H200: 128 x 256 tiles alone on
-# an SM (a wgmma group in flight) where they give about two waves (4096^3: 543 TFLOP/s against 462
-# for 128 x 128; 2048 x 4096 x 11008, 1.94 waves: 586 against 481: bench/results/h200-2026-11-22-
-# s11-*.json); else two blocks per SM, which beat one with more stages on every LLaMA and BERT shape
-# of -matmul-models.* and in the whole layers (-e2e-s11-kt-transposed.md: one block per SM made
-# LLaMA-512's 512 x 4096 projections 1.65x slower).
-# With TMA the tiles alone on their SM gained 4-27% (-s14-tma.json), and 64 x 256
-# ones came first on a wave of blocks over a long K: LLaMA-512's 512 x 4096 x 11008 586 TFLOP/s
-# against 462 for 64 x 128 two per SM, its 512 x 4096 x 4096 453 against 400, BERT-512's 4096 x 768
-# x 3072 39.6 us against 42.4 in 128 x 128 tiles two per SM (-e2e-s14 against -e2e-s13). Over K =
-# 768 they were slower: BERT-128's 1024 x 3072 x 768 (with GELU) 27.9 us against 17.3
-# (-s14-timeline.json against -s13-timeline.json).
+# (tile, waves of blocks it must give, stage count, least K), first fit wins. 128 x 256 tiles alone
+# on an SM (a wgmma group in flight) where they give about two waves: the largest tile reuses its
+# operands most, and one wave would leave the last one idle. Else 64 x 256 tiles with 5 stages over
+# a long K (K >= 3072) where 128 x 256 gives under a wave: the smaller tile fills the SMs, and a
+# long K amortises its pipeline fill; over a short K they lose to two blocks per SM. Else two
+# blocks per SM, which hide each other's waits and beat one block with more stages on model shapes.
+# Measured: see docs/design.md#warpgroup-matmuls-wgmma.
 PREFERENCE = [(WIDE_TILE, WIDE_TILE_WAVES, "most", 0), ((64, 256), 0.9, "most", 3072), ((128, 128), 1, "two per SM", 0),
               ((64, 128), 1, "two per SM", 0)]
 
@@ -491,8 +448,8 @@ def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k) -> tirx
         acc = T.alloc_buffer((regs,), "float32", scope="local")
         desc_a = T.alloc_buffer((1,), "uint64", scope="local")
         desc_b = T.alloc_buffer((1,), "uint64", scope="local")
-        for r in T.unroll(regs):  # zeroed here rather than by scale-d 0 on the first step: +3-6% in the
-            acc[r] = T.float32(0)  # prototype with 128 x 256 tiles (-wgmma-zero-init.json), within 1% here
+        for r in T.unroll(regs):  # zeroed here rather than by scale-d 0 on the first step: never
+            acc[r] = T.float32(0)  # slower (docs/design.md#warpgroup-matmuls-wgmma)
         T.evaluate(T.cuda.wgmma.encode_matrix_descriptor(
             T.address_of(desc_a[0]), T.address_of(smem[tx // WARPGROUP * ROWS * K_TILE]), 1, ATOM_BYTES // 16, SWIZZLE_128B))
         T.evaluate(T.cuda.wgmma.encode_matrix_descriptor(

@@ -1,10 +1,7 @@
 """Cost model: XGBoost ranking candidates of a task by predicted speed.
 
-Trained on measured records, each task a query group (`rank:pairwise`: only the order within a
-task matters, so tasks of very different sizes train one model); it ranks the unmeasured points of
-a task, and a model trained on other tasks' records ranks a task it has never measured (transfer).
-Saved to and loaded from a file (XGBoost's JSON format) beside the tuning logs.
-"""
+`rank:pairwise` with each task a query group, so tasks of very different sizes train one model;
+it also ranks tasks never measured (transfer). Saved beside the tuning logs in XGBoost's JSON."""
 
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
 """Export our tuning log as a MetaSchedule database, so stock TVM tools can read our results.
 
-MetaSchedule stores a schedule as the *trace* of schedule primitives that produced it, replayed on
-its workload (the PrimFunc as MetaSchedule normalises it). Our templates are written with the same
-primitives, so the Schedule a record's knobs build carries such a trace, and a stock
-`JSONDatabase(...).query_ir_module(...)` can rebuild our kernel from it without this project.
-
-Not every template is a trace: the grid strategies write their kernel as TVMScript and splice the
-fused function into it (new parameters, `call_extern` barriers and atomics, a PrimFunc attr for the
-zero-filled inputs), and a function whose reads `schedules.analysis.match` had to widen (Welford's
-pivot read: LayerNorm and batch statistics under the default variance="welford") is scheduled from a
-rewritten copy, so its trace starts from a function MetaSchedule never sees. Replaying their trace on the workload does not give our kernel,
-so each record is replayed the way MetaSchedule would replay it and compared before it is written;
-a task whose best record does not replay is skipped, with the reason.
-"""
+Our templates use schedule primitives, so a record's schedule carries a replayable trace. Grid
+strategies (TVMScript kernels) and functions scheduled from a rewritten copy (Welford's pivot) do
+not replay to our kernel; each record is replayed and compared first, and one that differs is
+skipped with the reason."""
 
 from __future__ import annotations
 

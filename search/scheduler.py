@@ -1,11 +1,8 @@
 """Task scheduler: spend one trial budget across a model's tasks where it pays most.
 
-Every task gets one batch first (its heuristic baseline and the model's guesses). After that the
-next batch goes to the task with the largest expected gain x weight: its best latency times the
-relative improvement its last batch made (floored by how much of its space is left unexplored,
-so that a task that has not moved yet is not starved), times how many times the model calls it.
-Measurements of all tasks train each task's model alongside the log's other records.
-"""
+After one batch each, the next batch goes to the task with the largest expected gain x weight
+(its best latency times its last relative improvement, floored by its unexplored share, times
+its call count)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """Space: every valid knob point of every schedule template for a task, on a target.
 
-Each template lists its own points (`knob_space` beside its `default_knobs` in schedules/; for a
-tensor-core matmul or a convolution, that template's tilings that fit), built from its validity rules (vector
-widths that divide the row, threads per block, shared memory for a staged row, co-residency of a
-cooperative grid), so an invalid point is never built.
-"""
+Each template lists its points (`knob_space` beside `default_knobs`) from its validity rules, so
+an invalid point is never built."""
 
 from __future__ import annotations
 

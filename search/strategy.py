@@ -1,11 +1,8 @@
 """Search strategy: model-guided batches over one task's space, with early stopping.
 
-A task's first batch is the heuristic's point plus the cost model's best guesses when it has been
-trained (on other tasks: the log, warm start), else random points. Each later batch is mostly the unmeasured points
-the model ranks highest, plus a few random ones (epsilon) so that a wrong model still gets
-corrected; the model is retrained after every batch. A task is done after its trial budget, when
-its space is exhausted, or when `patience` batches in a row have not improved its best.
-"""
+First batch: the heuristic's point plus the model's guesses (or random points). Later batches: the
+model's top unmeasured points plus a few random ones, retraining after each. Stops at the budget,
+an exhausted space, or `patience` batches without improvement."""
 
 from __future__ import annotations
 

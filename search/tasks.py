@@ -1,11 +1,8 @@
-"""Task extraction: the fused reduce subgraphs of a model (and, on a GPU, its tensor-core matmuls and convolutions),
-each with a stable key and a weight.
+"""Task extraction: a model's fused reduce subgraphs (on GPUs also matmuls and convolutions), keyed and weighted.
 
-A task is what the tuner searches knobs for: one fused PrimFunc as the pipeline will schedule it.
-Its key is the tuning log's (`tvm_ext.records.task_key`: structure with symbolic dims kept, target
-kind and arch), so functions of the same structure (the same LayerNorm in every layer) are one
-task whose weight counts all their call sites.
-"""
+A task is one fused PrimFunc as the pipeline schedules it, keyed as in the tuning log
+(`tvm_ext.records.task_key`), so functions of the same structure are one task weighted by their
+call sites."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """Transfer: schedules for tasks the log has never measured, chosen by its cost model (0 trials).
 
-`ModelDatabase` answers `tvm_ext.build(..., database=...)` like a plain log: the log's best where
-the task was measured, else the point of the task's space that the cost model (trained on every
-record of the log, all tasks and shapes) ranks first. The pipeline only asks `lookup`, so the
-build itself never needs the tuner.
-"""
+`ModelDatabase` answers `lookup` like a plain log: the logged best where measured, else the cost
+model's first pick from the task's space, so the build never needs the tuner."""
 
 from __future__ import annotations
 

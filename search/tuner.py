@@ -1,11 +1,8 @@
 """A tuning run: a model's tasks, searched under one budget, every measurement in one log.
 
-Ties the components together: tasks (tasks.py) -> their searches (strategy.py), warm-started from
-the log's and any other logs' records (cost_model.logged_groups) -> the task scheduler
-(scheduler.py) spending the trials, measured by worker processes (measure.py). An existing log is
-only ever appended to, and only when asked to resume it: its records then count as trials done.
-At the end the cost model is retrained on the whole log and saved beside it.
-"""
+Tasks -> searches warm-started from logged records -> the task scheduler spending trials through
+worker processes. A log is only appended to, and only when resuming; the cost model is retrained
+on the whole log at the end and saved beside it."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """tvm_ext: fused reduce subgraphs (norms, softmax, statistics) at memory bandwidth on TVM.
 
-`import tvm_ext` registers the Relax pipeline "tvm_ext", the TIR pipeline of the same name and
-the Welford reducers (so that a process that only schedules, e.g. a tuner's worker, has them).
-With TVM's runtime library alone (`TVM_USE_RUNTIME_LIB=1`, a deployment) it offers what runs an
-export: `load` and the introspection helpers.
-"""
+`import tvm_ext` registers the Relax and TIR pipelines "tvm_ext" and the Welford reducers (so a
+process that only schedules, e.g. a tuner's worker, has them). With TVM's runtime library alone
+(`TVM_USE_RUNTIME_LIB=1`) it offers only what runs an export: `load` and the introspection helpers."""
 
 import os
 

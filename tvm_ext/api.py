@@ -48,7 +48,7 @@ def build(mod: tvm.IRModule, target, database=None, **options):
                         f"got {type(database).__name__}")
     target = parse_target(target)
     if "gpu" in target.keys:
-        import_tensor_intrinsics()  # dlight's matmul rule would import them, 10-25x slower
+        import_tensor_intrinsics()  # dlight's matmul rule would import them, far slower
     if database is not None and not isinstance(database, Database):
         database = Database.load(database)
     pipeline = tvm_ext_pipeline(database, **options)

@@ -1,12 +1,9 @@
 """A rule of ours that raises costs speed, never the build: what it would have done is left to TVM.
 
-Every graph rewrite, legalization, schedule rule and TIR pass of this project runs behind one of the
-guards below. When it raises for a function, that function takes TVM's default path and one
-`FallbackWarning` line names the function, the rule and the reason; the build goes on. Inside
-`strict()` the guards raise `RuleError` instead, and list it, so a caller that can still choose
-another path (the schedulers trying a schedule through the TIR passes) learns which rule failed
-(an exception that crosses TVM's C++ comes back as a plain RuntimeError).
-"""
+Every rewrite, legalization, schedule rule and TIR pass runs behind a guard here; a failure sends
+that function down TVM's default path with one `FallbackWarning`. Inside `strict()` the guards
+raise `RuleError` instead, so a caller with another choice learns which rule failed (see
+docs/design.md#fallback-a-build-never-fails-because-of-us)."""
 
 from __future__ import annotations
 

@@ -132,7 +132,7 @@ def _cumulative(op):
 def _truth_reduction(reduce):
     """aten.any / aten.all (.default, .dim, .dims): whether any / all elements are nonzero (NaN counts, as
     in PyTorch), as the max / min of the elements as bools in uint8 (Relax's max and min take no bools).
-    TVM converts neither any.default nor all, and any.dim of a float tensor was its float max."""
+    TVM converts neither any.default nor all, and converts any.dim of a float tensor to its float max."""
     def convert(node, importer):
         args = _arguments(node, importer)
         bb = importer.block_builder

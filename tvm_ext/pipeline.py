@@ -1,21 +1,7 @@
 """The `tvm_ext` Relax pipeline: legalize, fuse, schedule fused reductions with our templates.
 
-Order: Linear layers sharing an input joined into one matmul (parallel_matmuls.py) -> spelled-out attention as one fused kernel (sm_90a, attention.py) -> top-1 sorts as maxima -> half math around reductions in float32 -> library dispatch ->
-mean/variance pairing (Welford) -> activations and residual adds before reshapes -> matmuls by a
-transposed key (on sm_90a also linears by their weight) read it untransposed -> LegalizeOps (with our legalizations; on GPUs, split-K for matmuls with few
-rows) -> AnnotateTIROpPattern ->
-FoldConstant -> FuseOps -> ours (reduce_fusion.py; on sm_90a a gated MLP's activation into its joined
-matmul, gated_linears.py) -> FuseTIR -> leave dataflow form -> our
-schedules for every fused PrimFunc with a reduction (several kernels and a run-time `if` where dims
-are symbolic; zero-filled state inputs for grid reductions) -> the matmul template for fp16/int8
-matmuls and the conv2d template for convolutions, with their epilogues (GPU; tensor cores come from
-the AutoTensorize TIR pass; on sm_90a fp16 matmuls take the wgmma template, which writes them itself) -> TVM's dlight
-rules for the rest (GPU; elementwise functions read along their innermost axis get vector accesses,
-schedules/elementwise.py, before dlight's fallback)
--> int32 indices where safe, int32/int64 twins where shapes are symbolic (narrowing.py) ->
-CallTIRRewrite -> VM finalisation. The TIR passes of `tvm_ext.tir` run later, inside
-`tvm.compile`, under the TIR pipeline of the same name.
-"""
+The order of the passes, and why each sits where it does, is in docs/design.md (top); our TIR
+passes run later, inside `tvm.compile`, under the TIR pipeline of the same name (`tvm_ext.tir`)."""
 
 from __future__ import annotations
 

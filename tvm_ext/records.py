@@ -1,22 +1,9 @@
-"""The tuning-log format and its reader.
+"""The tuning-log format (JSON lines: task key, TVM version, target, knobs, latency) and its reader.
 
-The pipeline reads logs, the tuner (`search/`) appends to them; both meet here so that a
-deployment build never has to import the tuner. One JSON object per line:
-
-    {"version": 1, "key": "<task key>", "task": "fused_layer_norm", "tvm": "0.27.0.post1",
-     "target": "cuda-sm_90", "time": "2026-11-21T10:00:00Z",
-     "knobs": {"strategy": "block_row", "threads": 256, ...}, "us": 31.2, "samples": [31.2, ...],
-     "features": {"schema": "<names digest>", "values": [...]}}
-
-A failed measurement has "us": null and an "error"; the reader passes over it (it is the tuner's).
-"features" is what the tuner's cost model saw (so a later run trains on the log without the
-models that produced it); the pipeline ignores it.
-
-A line that is not UTF-8 or JSON, comes from another TVM version, or whose latency is not a
-finite positive number is skipped, and so, at build time, is a record whose knobs are no point of
-its strategy's space for the function and target (the heuristic schedules it): with a warning
-naming the log and line. A record must never be misapplied, and must never stop a build.
-"""
+The pipeline reads logs, the tuner (`search/`) appends to them; both meet here so a deployment
+build never imports the tuner. Failed measurements, unreadable lines, other TVM versions and knobs
+that are no point of the function's space are skipped with a warning: a record is never misapplied
+and never stops a build."""
 
 from __future__ import annotations
 

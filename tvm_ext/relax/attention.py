@@ -1,11 +1,8 @@
 """Spelled-out softmax attention becomes one fused kernel (schedules/attention.py) on sm_90a.
 
-The chain matmul(q, k^T) -> scale -> [+ mask] -> softmax -> matmul(., v), as PyTorch's eager code
-and TVM's import of `scaled_dot_product_attention` spell it, is replaced by a call of the kernel,
-which reads q, k, v (GQA heads too) and writes its output through views. Constant masks are
-evaluated (causal: tiles skipped; all zeros: dropped); any other mask of -inf or finite values the
-kernel adds itself. docs/attention.md says what is matched and why the result is exact.
-"""
+matmul(q, k^T) -> scale -> [+ mask] -> softmax -> matmul(., v), as PyTorch eager and TVM's SDPA
+import write it, is replaced by a call that reads q, k, v (GQA too) and writes through views.
+What is matched, which masks are taken and why the result is exact: docs/attention.md."""
 
 from __future__ import annotations
 

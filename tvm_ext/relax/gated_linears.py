@@ -1,23 +1,9 @@
-"""A gated MLP's activation in its joined matmul's epilogue (sm_90a): LLaMA's silu(x @ Wg.T) *
-(x @ Wu.T) as one kernel.
+"""A gated MLP's activation in its joined matmul's epilogue (sm_90a): silu(x @ Wg.T) * (x @ Wu.T) as one kernel.
 
-Why: parallel_matmuls.py joins the gate and up projections into one matmul; a second kernel then
-read both halves of its [M, 2n] fp16 output to write silu(gate) * up (H200: 8.0 us of LLaMA-512's
-layer, 33.4 us at seq 2048, bench/results/h200-2026-11-24-e2e-s16-final.md), after the matmul
-had written twice the bytes the MLP goes on with. Two steps put that work in the matmul's epilogue:
-
-* the joint weight's rows alternate runs of GATE_RUN rows of each layer (`interleaved`), and each
-  layer's result is a view of the joint output reading every other run (`half_view`). A tile of C
-  then holds both halves of the same output columns, in the same thread's accumulators
-  (schedules/contracts.gate_column);
-* after FuseOps, the matmul's group and the one group reading its output through those views
-  become one function (`fuse_gated_epilogues`). The wgmma template writes it as a matmul whose
-  epilogue reads two accumulators per output element and stores half of C's columns.
-
-H200, one process, interleaved rounds, medians (bench/gated_ab.py, bench/results/h200-2026-11-24-
-s17-gated-ab-seq*.json): LLaMA-512's layer 386.7 us against 389.8 with the halves apart (one
-call's kernels: 130.2 us for the gated matmul against 129.0 + 8.0), seq 2048 1505.1 against 1531.2.
-"""
+Without it, a second kernel reads both halves of the joined gate/up output after the matmul has
+written twice the bytes the MLP goes on with. The joint weight's rows alternate runs of GATE_RUN
+rows of each layer, so one thread holds both halves of an output column; the matmul and its reader
+become one function (docs/design.md#warpgroup-matmuls-wgmma)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
-"""Half-precision arithmetic around reductions done the way PyTorch does it: in float32, rounded per op.
+"""Half-precision arithmetic around reductions done as PyTorch does it: in float32, rounded per op.
 
-A model that spells softmax out in fp16 (max, sub, exp, sum, div) runs, in PyTorch, every op in
-float32 and rounds its result to fp16, and `sum` accumulates in float32. Legalized as written, the
-fused kernel instead did half arithmetic: the sum accumulated in fp16 (rounding at every add, so less
-accurate than the model), and `hexp` / half division cost twice the instructions of the float32
-path (PTX of the fused 8192x4096 softmax: 2296 lines against 1109 for the single op, which TVM
-legalizes in float32). This pass rewrites the half ops connected to a reduction (`sum`, `mean`,
-`max`, `min` over fp16/bf16, through chains of elementwise ops, both ways) into
-`astype(op(astype(a, f32), ...), half)`: the same rounding points as PyTorch eager, float32 math.
-Runs before legalization; matmuls and anything not listed keep their dtype.
-"""
+Legalized as written, a fused fp16 softmax sums in fp16 (less accurate than the model) and spends
+twice the instructions on half math. Half ops connected to a `sum`/`mean`/`max`/`min` become
+`astype(op(astype(a, f32), ...), half)`. Runs before legalization; matmuls keep their dtype."""
 
 from __future__ import annotations
 

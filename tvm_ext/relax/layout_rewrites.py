@@ -1,29 +1,9 @@
 """Relax rewrites before legalization that leave FuseOps and the templates better work.
 
-* `q @ k.transpose(-1, -2)` as one matmul that reads k as it is stored. PyTorch attention
-  multiplies by a transposed key; TVM's frontend writes it as permute_dims (then broadcast_to and
-  reshape to the batched 3-D shape), and FuseOps puts that transpose into the kernel producing k,
-  whose writes then stride by the sequence length (LLaMA's rotary kernel: 230 us at seq 2048 on an
-  H200, against 30 us for the same work on q). Here the matmul reads the untransposed k instead, as
-  a `[batch, n, k]` operand: the matmul template and the auto-tensorization pass take it as a
-  col-major matrix_b.
-* On wgmma targets (sm_90a), `x @ W.T` with a 2-D weight reads W as stored, [n, k], when the
-  wgmma template takes the matmul whole. Folded at compile time, the transpose gave an n-major B,
-  which the template loads in 64-column atoms, so its tiles are whole atoms: LLaMA-512's joined
-  gate and up projections (512 x 22016 x 4096) took 128 x 256 tiles, 2.6 waves on 132 SMs. Read as
-  stored, 128 x 224 tiles make three full waves: 155.2 us against 162.4, and the whole layer 400.5
-  us against 412.9 (H200, bench/results/h200-2026-11-24-s16-l2-promotion-weight-layout.json, the
-  "p0" points). Runs after the residual rewrite below (`activation_before_reshape`), which knows
-  a matmul as relax.matmul.
-* `gelu(reshape(x))` as `reshape(gelu(x))`. The frontend computes a Linear on 2-D rows and reshapes
-  the result back to [batch, seq, features] before the activation; FuseOps fuses a matmul with the
-  elementwise work after it but stops at the reshape, so BERT's GELU ran as a kernel of its own (46
-  us at seq 512 on an H200). An elementwise op commutes with a reshape; moved before it, the
-  activation becomes part of the matmul's epilogue.
-* `reshape(matmul) + r` as `reshape(matmul + reshape(r))`, for the same reason: LLaMA's residual adds
-  after its o and down projections ran as kernels of their own (3.6-4.1 us each at seq 512, plus the
-  gap before the next kernel); moved before the reshape, each is part of the matmul's epilogue.
-"""
+`q @ k^T` reads k as stored (else the transpose lands in k's producer, whose writes then stride);
+on sm_90a `x @ W.T` reads W as stored, [n, k], when the wgmma template takes the matmul; and an
+activation or residual add after a reshape moves before it, into the matmul's epilogue (FuseOps
+stops at reshapes). Measured: see docs/design.md#warpgroup-matmuls-wgmma."""
 
 from __future__ import annotations
 

@@ -48,8 +48,8 @@ def _layer_norm_float32(variance: str):
 
 
 def _rms_norm(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
-    """RMSNorm. TVM's own (C++ TOPI) computes in float32 whatever the input, so float64 came out
-    with float32's 3e-7 error; float64 is computed in float64 here, other dtypes keep TVM's."""
+    """RMSNorm. TVM's own (C++ TOPI) computes in float32 whatever the input, so float64 comes out
+    with float32's error; float64 is computed in float64 here, other dtypes keep TVM's."""
     if call.args[0].ty.dtype != "float64":
         return tvm.ir.Op.get("relax.nn.rms_norm").get_attr("FLegalize")(bb, call)
     eps = float(call.attrs.epsilon)

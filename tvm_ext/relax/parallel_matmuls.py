@@ -1,22 +1,9 @@
 """Linear layers that read the same input, with constant weights, become one wider matmul (GPUs).
 
-Why: LLaMA's MLP multiplies one input by the gate and the up weights, [512, 4096] x [4096, 11008]
-each at seq 512. Alone, each gives 4 x 43 tiles of 128 x 256, too few for two waves on 132 SMs,
-so the wgmma template takes 128 x 128 tiles two per SM (about 400 TFLOP/s, bench/results/
-h200-2026-11-22-s11-wgmma-k-major-model-shapes.json); together they are one [512, 22016] output
-with enough tiles for the faster 128 x 256 kernel, and the input is read once (H200: 2 x 113 ->
-178 us at seq 512, 2 x 346 -> 636 us at seq 2048, -s12-joined-linears-ab.json). Layers are joined
-where the joint output has those two waves of 128 x 256 tiles: LLaMA-512's q, k and v together
-(4 x 48 tiles) were slower than apart (114 against 3 x 33 us). The weights are joined at compile
-time (they are constants), and each layer's result becomes a slice of the joint output, which
-FuseOps reads inside the consumer's kernel.
-
-    y_i = astype(matmul(x, permute_dims(W_i)), f16)   (x the same tensor, or the same reshape of it)
- -> y = astype(matmul(x, permute_dims(concat(W_0, W_1, ...))), f16);  y_i = y[:, offset_i : offset_i + n_i]
-
-(TVM's CombineParallelMatmul needs one input variable, but the frontend reshapes the input anew for
-every Linear, and its split gives FuseOps a tuple output the matmul templates do not take.)
-"""
+Joined, the output has enough 128 x 256 tiles for two waves of the wgmma template's fastest kernel
+and the input is read once; layers are joined only where that holds (smaller joins are slower).
+Each layer's result becomes a slice of the joint output. TVM's CombineParallelMatmul does not fit:
+it needs one input variable and gives FuseOps a tuple output. See docs/design.md#warpgroup-matmuls-wgmma."""
 
 from __future__ import annotations
 

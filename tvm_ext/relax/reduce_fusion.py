@@ -1,32 +1,9 @@
 """Reduce-centric fusion: one function per reduction and the elementwise work around it.
 
-TVM's FuseOps fuses elementwise producers into a reduction and elementwise consumers after a
-LayerNorm-like op, but never a reduction with the elementwise work after it, nor two reductions
-over the same rows. A norm spelled out the way models write it (`x.float().pow(2).mean(-1)`,
-`rsqrt`, `x * r`, `.to(fp16) * w`; softmax as max / sub / exp / sum / div) therefore ran as
-several kernels, each a full trip through memory. This pass runs between FuseOps and FuseTIR and
-merges FuseOps' groups (and lone kernels) across those edges, CINN-style, around a reduction:
-
-* a group is centred on reductions of one signature: the same input rows reduced to the same shape
-  (max then sum in softmax, mean then mean of squares in LayerNorm; symbolic dims compare as vars);
-* it takes in elementwise / broadcast producers and consumers whose output has the rows' shape or
-  the reduced shape (residual adds before, casts, weights and activations after), and producers
-  with a reshape when nothing outside the group reads them (the scale and causal mask before an
-  attention softmax);
-* a layout change that moves the innermost axis (a patch embedding's `flatten(2).transpose(1, 2)`
-  before CLIP's and Swin's first LayerNorm) stays out: the reduction would read its rows down
-  columns, which no row template takes;
-* it stops at anything else (matmuls, convolutions, layout changes, ops it does not know), which
-  keep TVM's own fusion, and never merges two groups when a path between them leaves the group
-  (the merged function would depend on itself);
-* a reduction to one value (`x.abs().amax()`, `isinf(x).any()`) keeps the work on that value but
-  not the work on every element after it, which would wait for the whole tensor: two kernels
-  (`reductions_apart` keeps FuseOps from fusing reductions itself).
-
-A merged group becomes one Relax function marked Primitive; FuseTIR turns it into one PrimFunc,
-which this project's dispatcher schedules like the single-op norms. Values other code still needs
-(the residual sum before an RMSNorm) become extra outputs of the group.
-"""
+Runs between FuseOps and FuseTIR and merges groups around reductions of one row signature with
+their elementwise/broadcast producers and consumers, which TVM's FuseOps never fuses with a
+reduction. Stops at matmuls, layout changes and paths leaving the group; a reduction to one value
+keeps per-element work after it apart. See docs/design.md#fusion-around-reductions."""
 
 from __future__ import annotations
 

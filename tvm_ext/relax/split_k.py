@@ -1,14 +1,9 @@
 """Split-K for matmuls with few rows (MAX_ROWS): a GPU legalization of relax.matmul.
 
-At 16 x 4096 x 4096 (one decoding step of a 4096-wide layer) the matmul template's smallest tile,
-16 x 64 for one warp, gives 64 blocks to the H200's 132 SMs: half the GPU streams the whole
-weight, one warp per SM. Cut K into S parts instead: `parts[p, i, j] = sum over k < K/S of
-a[i, p*K/S + k] * b[p*K/S + k, j]` is a batched matmul for the template (the parts on
-blockIdx.z, the operands read in place), and `sum(parts, axis=0)` one of our column reductions
-(the epilogue, a cast or a bias, fused into it by the pipeline). S is the smallest power of two
-that gives each SM WAVES blocks; each part keeps at least MIN_K_PER_PART of K so that its
-pipelined copies still stream. Every other matmul keeps TVM's legalization.
-"""
+With few rows the template's smallest tile leaves most SMs idle, so K is cut into S parts: a
+batched matmul of partial products (parts on blockIdx.z, operands read in place) and a column
+reduction `sum(parts, axis=0)` carrying the epilogue. Other matmuls keep TVM's legalization.
+See docs/design.md#split-k."""
 
 from __future__ import annotations
 
@@ -22,8 +17,8 @@ from .bindings import shape_of
 
 SMALLEST_TILE = (16, 64)  # rows x columns of the matmul template's one-warp tile
 K_TILE = 64  # k per step of the few-row tilings: a part must hold whole steps
-# blocks per SM the split aims for: at 16 x 4096 x 4096 on the H200 4 parts (256 one-warp tiles)
-# and 8 ran their partial products equally fast (17.3-17.7 us); 4 leave half the partial sums to add
+# blocks per SM the split aims for: 4 and 8 parts run their partial products equally fast at
+# 16 x 4096 x 4096 (docs/design.md#split-k), and fewer parts leave fewer partial sums to add
 WAVES = 1.5
 MIN_K_PER_PART = 512
 MAX_ROWS = 64  # a decoding step's or a small batch's rows

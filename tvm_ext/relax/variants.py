@@ -1,13 +1,8 @@
 """Call-site rewrites for scheduled kernels: run-time variant choice and zero-filled state.
 
-When a fused function has symbolic dims, the best kernel depends on their values (a 128-wide
-softmax row wants a warp, a 16k-wide one a block). The dispatcher then returns several variants,
-each with a condition over the function's symbolic dims; every call site becomes a chain of
-`if`s on the run-time shape, evaluated on the host by the VM: the choice costs a compare, not a
-kernel. A kernel that keeps state between launches (grid_reduce's counters) lists it in the
-PrimFunc attr ZEROED_INPUTS; its call sites pass zero-filled constants, which the kernel leaves
-zeroed again when it finishes.
-"""
+A function with symbolic dims may get several kernels, each with a condition on those dims; its
+call sites become host-side `if`s (a compare, not a kernel). Kernels that keep state between
+launches list it in ZEROED_INPUTS and get zero-filled constants, which they leave zeroed."""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
 """Welford variance: one pass over x with a (M2, mean, count) state, stable where E[x^2]-E[x]^2 is not.
 
-TVM legalizes `relax.variance` in two passes (mean, then the sum of squared deviations), so x
-crosses memory twice. Here it is one reduction whose combine rule is the parallel Welford update
-
-    n = n_a + n_b;  mean = mean_a + (mean_b - mean_a) * n_b / n;
-    M2 = M2_a + M2_b + (mean_b - mean_a)^2 * n_a * n_b / n
-
-registered with TVM's schedule so that cross-thread (and rfactor) reductions accept it.
-
-The state is ordered (M2, mean, count): TVM 0.27's warp-shuffle all-reduce updates the
-components one after another in place, so each must only need the ones updated after it (seen:
-(count, mean, M2) ordering came out 2% low on an H200 while the serial CPU result was right).
-"""
+TVM legalizes variance in two passes; here it is one reduction whose parallel-Welford combine rule
+is registered with TVM's schedule. The state order (M2, mean, count) is required by TVM 0.27's
+in-place warp-shuffle all-reduce. See docs/design.md#welford-and-one-pass-variance."""
 
 from __future__ import annotations
 

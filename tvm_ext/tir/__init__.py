@@ -1,24 +1,9 @@
 """The hook where this project's TIR passes run: after scheduling, before code generation.
 
-`tvm_ext.build` compiles with the TIR pipeline registered here under the name "tvm_ext": TVM's
-default s_tir pipeline with the passes registered for each phase spliced in. TVM's default TIR
-pipeline runs it too, with a warning, for a module the Relax pipeline "tvm_ext" made.
-
-- "early": every scheduled PrimFunc, still in SBlock form, before TVM lowers it;
-- "late": every device kernel after host/device splitting, just before codegen.
-
-Built in: `narrow_index` (early) rewrites the kernels narrowing.py marked to int32 indices;
-`AutoTensorize` (early) makes tensor-core code of the matmul template's schedules (tensorize.py);
-`bool_loads_as_bytes_pass` (early) reads bool buffers in vector loops as bytes and
-`uniform_selects_as_branches_pass` (late) selects vectors on one bool as a branch (TVM's CUDA codegen misprints both);
-`cooperative_launch` (late) launches kernels that use a grid-wide barrier cooperatively;
-`dependent_launch` (late, after it) launches every other kernel on sm_90+ while the one before it retires;
-`welford_lower` (late) gives Welford updates CUDA's fast approximate reciprocal.
-
-Each pass runs behind `fallback.guarded_tir_pass`: a function it raises for is left as it was, with a
-warning. `check_builds` runs one scheduled function through all of this before the pipeline takes its
-schedule, so that a schedule some pass cannot take goes back to TVM's rules instead.
-"""
+Registers the TIR pipeline "tvm_ext" (TVM's default s_tir pipeline with our "early" passes on
+SBlock-form PrimFuncs and "late" passes on device kernels before codegen). Each pass runs behind
+`fallback.guarded_tir_pass`; `check_builds` runs a schedule through all of it before the pipeline
+takes it, so a schedule some pass cannot take goes back to TVM's rules."""
 
 from __future__ import annotations
 

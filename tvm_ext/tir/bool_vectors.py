@@ -1,17 +1,8 @@
 """Bool vectors TVM 0.27's CUDA codegen misprints, rewritten before it sees them.
 
-Vector loads of bool buffers read bytes: TVM 0.27's CUDA codegen prints a 4-lane bool load as a
-`ushort4` read (8 bytes where the 4 bools take 4): the wrong bytes, and a misaligned-address fault
-where the address is not a multiple of 8. A causal mask folded to a bool constant and fused into
-our attention softmax faulted so on the H200 (LLaMA layer, seq 512). The early-phase pass below
-makes each vectorized loop that reads a bool buffer read it through an int8 view of the same memory
-and cast the bytes back to bool (codegen then loads them as one 4-byte int); the loop stays vectorized.
-
-A select on one condition for every lane, `Select(Broadcast(c), a, b)`, becomes `if_then_else(c, a,
-b)`: codegen prints the broadcast bool as `float4 v = make_ushort4(...)`, which nvcc rejects. A
-vectorised row kernel meets it where PyTorch's SDPA zeroes the rows a mask hides entirely (every
-transformers decoder and encoder with SDPA). The late-phase pass below rewrites it.
-"""
+A vector load of bools is printed as a `ushort4` read (wrong bytes, misaligned faults), so the
+early pass reads bool buffers through an int8 view; `Select(Broadcast(c), a, b)` is printed as
+code nvcc rejects, so the late pass makes it `if_then_else(c, a, b)`."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """Grid-wide barriers in TIR: the cooperative launch they need and the header they call into.
 
-A template writes the barrier as `T.call_extern("void", schedules.contracts.GRID_SYNC)`, which
-CUDA codegen prints as `cooperative_groups::this_grid().sync();`. Two things make that legal:
-
-- the kernel must be launched with `cuLaunchCooperativeKernel`, which guarantees (or refuses)
-  that all blocks are resident at once. TVM's CUDA runtime does so for a kernel whose
-  `tirx.kernel_launch_params` carry the tag "tirx.use_cooperative_launch"; the late-phase pass
-  below adds the tag to every device kernel that calls the barrier. The tag travels with the
-  exported module, so a deployed library launches the same way.
-- the source must include <cooperative_groups.h>: `with_header` adds it, from the CUDA source
-  hook (passes/source_hook.py).
-"""
+A template writes the barrier as `T.call_extern("void", schedules.contracts.GRID_SYNC)`. The late
+pass tags each kernel calling it for `cuLaunchCooperativeKernel` (all blocks resident, or refused);
+the tag travels with exported modules. `with_header` adds <cooperative_groups.h> via source_hook."""
 
 from __future__ import annotations
 

@@ -1,24 +1,9 @@
-"""Programmatic dependent launch: each kernel on Hopper is launched while the one before it retires.
+"""Programmatic dependent launch (sm_90+): each kernel is launched while the one before it retires.
 
-Between two kernels of one stream the GPU normally waits for the first grid to finish, flush its
-memory and retire before it launches the second: about 1.5 us per boundary, 20 us across the 12
-kernels of a LLaMA layer at seq 512 (bench/timeline.py). On sm_90 a kernel launched with
-"programmatic stream serialization" may be launched once every block of the kernel before it has
-executed `griddepcontrol.launch_dependents` or exited; it must then execute `griddepcontrol.wait`,
-which returns once that kernel has completed and its writes are visible, before it touches memory.
-
-This late-phase pass gives every CUDA kernel for sm_90 or newer the wait at the top of its body,
-so no access can run ahead of the kernel before, and the launch tag
-"tirx.use_programtic_dependent_launch" (TVM's spelling), with which TVM's CUDA runtime launches it
-through cuLaunchKernelEx with that attribute. The tag travels with an exported module. Since each
-kernel waits for the one before it to complete, and that one waited for its own predecessor, every
-kernel still sees all earlier writes. No kernel triggers its dependents early: each block's exit
-does. A trigger at the top of every kernel (the next kernel's blocks resident while this one runs)
-measured slower on every model, and so did matmuls loading their weights before the wait
-(bench/results/h200-2026-11-24-s15-trigger-placement-ab.json, -s15-weights-early-ab.json).
-Kernels launched cooperatively (grid barrier) are left as they are: their blocks must all be
-resident at once, which blocks of a waiting kernel could prevent.
-"""
+The late pass puts `griddepcontrol.wait` at the top of every CUDA kernel, so no access runs ahead
+of its predecessor, and tags it for programmatic stream serialization. Dependents are triggered
+only by block exit. Cooperative kernels are left alone: a waiting kernel's blocks could keep them
+from being co-resident. See docs/design.md#row-and-column-templates."""
 
 from __future__ import annotations
 

@@ -1,22 +1,9 @@
 """int64 -> int32 index narrowing, with int32 and int64 versions where the shapes are symbolic.
 
-Relax legalizes to int64 shapes and index arithmetic, which costs GPU kernels registers and
-instructions. TVM's own NarrowDataType(32) narrows only what it can bound from constant extents.
-Following CINN, this pass decides per kernel, once, from what bounds every index in it: the
-element counts of the buffers it touches and the number of threads it launches.
-
-- All bounds known and below 2^31: the whole kernel is rewritten to int32 (TVM's
-  ForceNarrowIndexToInt32), no per-operation checks. Any bound at or above 2^31: kept as is.
-  The rewrite itself runs in the TIR pipeline (passes/narrow_index.py) on the kernels marked
-  NARROW here, once cross-thread reductions are lowered: it folds `x + 0.0`, after which TVM
-  no longer recognises a Welford update as its registered reducer.
-- Bounds over symbolic dims (n * 4096): the kernel is built twice, int32 and int64, and each call
-  site chooses on the run-time shape with an `if` in the VM's host code (tvm_ext/relax/variants.py, the
-  mechanism that also picks width classes): the check costs a compare, not a kernel.
-
-It runs in the Relax pipeline after every kernel is scheduled, on the kernels our templates
-scheduled (TVM's fallbacks keep TVM's own int64 indices), before the call sites are lowered.
-"""
+Per kernel our templates scheduled, from its buffers' element counts and thread count: all below
+2^31 marks it NARROW (rewritten by tir/narrow_index.py after cross-thread lowering); a bound at or
+above 2^31 keeps int64; symbolic bounds build both and pick per call (relax/variants.py). See
+docs/design.md#index-narrowing-and-dynamic-shapes."""
 
 from __future__ import annotations
 

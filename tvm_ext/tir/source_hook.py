@@ -1,13 +1,8 @@
 """Last fixes to generated CUDA source, through TVM's codegen hook `tvm_callback_cuda_postproc`.
 
-TVM calls the hook on every CUDA source it generates (the source an exported module carries and
-NVRTC or nvcc compile at load). Ours runs whatever hook was registered before, then:
-
-- includes <cooperative_groups.h> where a kernel calls the grid barrier (cooperative_launch.py);
-- gives each kernel its own name for a dynamic shared-memory array that two kernels of the source
-  declare with different element types (`extern __shared__ float x_shared_dyn_ptr[]` in one,
-  `float4` in another): TVM names the array after the staged tensor, nvcc rejects the clash.
-"""
+Chains to any hook registered earlier, then includes <cooperative_groups.h> where a kernel calls
+the grid barrier, and renames dynamic shared-memory arrays that two kernels of one source declare
+with different element types (nvcc rejects the clash)."""
 
 from __future__ import annotations
 

@@ -1,34 +1,9 @@
-"""Auto-tensorization, after PAI's TensorCore AutoCodeGen (seed 002): a thread-level matmul
-schedule becomes tensor-core (WMMA) code without its writer knowing WMMA.
+"""Auto-tensorization after PAI's TensorCore AutoCodeGen: a thread-level matmul schedule becomes WMMA code.
 
-The schedule writer tiles a matmul for ordinary CUDA threads (schedules/matmul.py); this module
-recognises what one warp computes there and hands it to the tensor cores. Steps, each a function:
-
-1. `match_mma`: the multiply-accumulate `c[i, j] = c[i, j] + cast(a[.]) * cast(b[.])` into a
-   register accumulator, its operands low-precision register copies (fp16/bf16 -> fp32, int8 ->
-   int32), the loops around it, the blocks that fill `a` and `b` from shared memory and the one
-   that drains `c`; and that the 32 lanes of a warp together cover whole m x n x k = 16 x 16 x 16
-   tiles: lanes own adjacent column groups (`j = ... + lane * per_lane + jj`), rows do not depend
-   on the lane. No match: None, with the reason at debug level; the function stays plain CUDA.
-2. `infer_fragments`: which operand is matrix_a (the one indexed by the output's row axis) and
-   which matrix_b, and the major order of each (where that axis sits in its indices).
-3. `unify_thread_indices`: inside the fragment blocks only (the accumulator's zeroing, the operand
-   fills, the multiply-accumulate, the drain), every lane addresses its warp's tile origin:
-   threadIdx.x -> 0 (threadIdx.y already numbers warps: blockDim.x is one warp); the
-   shared-memory copies keep each thread's own indices.
-4. `scale_lane_loops`: each loop that walked one lane's `per_lane` columns now walks the warp's
-   32 * per_lane: with the lane at 0, the fragment blocks describe the whole warp tile, once.
-5. `emit_wmma`: the warp tile is cut into 16 x 16 x 16 steps and each fragment block becomes the
-   TVM 0.27 WMMA intrinsic of its role (`tvm_fill_fragment`, `tvm_load_matrix_sync`,
-   `tvm_mma_sync`, `tvm_store_matrix_sync` via `tvm.s_tir.tensor_intrin.cuda`), in the
-   `wmma.matrix_a` / `wmma.matrix_b` / `wmma.accumulator` scopes; codegen writes `nvcuda::wmma`.
-   The operand fills become fragment loads straight from shared memory (one per 16 x 16 tile:
-   the per-k register copies have no tensor-core counterpart). Everything else of the schedule
-   (block tiling, the cooperative shared-memory copies) is kept as it was; its software pipeline
-   takes the fragment loads in (`pipeline_fragment_loads`).
-
-`auto_tensorize(func)` runs the five; `AutoTensorize` is the same as a PrimFunc pass.
-"""
+`auto_tensorize` (PrimFunc pass `AutoTensorize`) matches what one warp of schedules/matmul.py
+computes (`match_mma`), infers operand roles (`infer_fragments`), makes the fragment blocks address
+the warp tile (`unify_thread_indices`, `scale_lane_loops`) and emits TVM's WMMA intrinsics
+(`emit_wmma`). No match leaves plain CUDA. See docs/design.md#auto-tensorization-mmasync."""
 
 from __future__ import annotations
 
@@ -277,7 +252,7 @@ def pipeline_fragment_loads(sch: s_tir.Schedule, k_tiles, outer) -> None:
     while the tensor cores work on this one (two fragment buffers);
     where the schedule pipelines its shared-memory copies over `stages` >= 3 steps, the first
     fragments of the next tile load before the last step of this one. Else every mma waits on its
-    loads: on an H200, 4096^3 with 128 x 256 tiles went from 284 to 368 TFLOP/s."""
+    loads (measured: see docs/design.md#auto-tensorization-mmasync)."""
     if int(sch.get(k_tiles).extent) == 1:
         return  # one 16-wide step per shared-memory tile: nothing to overlap
     sch.annotate(k_tiles, "software_pipeline_stage", [0, 0, 1])  # body: load A, load B, mma

@@ -1,17 +1,8 @@
 """WelfordLower: the Welford reciprocal 1/max(n, 1) as CUDA's fast approximate reciprocal.
 
-The Welford legalization (tvm_ext/relax/welford.py) gives TVM one comm-reducer whose combine rule
-serves both halves of a GPU reduction: TVM's cross-thread lowering (warp shuffles, one shared
-memory round, and our grid templates) merges per-thread states by the parallel rule, and each
-thread's serial loop merges single elements, where the same rule simplifies to the streaming
-update mean_k = mean + (x - mean) / k;  M2_k = M2 + (x - mean) * (x - mean_k).
-
-What is left to lower is the one reciprocal per element, 1 / max(n, 1): a float32 division that
-CUDA compiles to the slow IEEE sequence unless --use_fast_math is on. This late-phase pass makes
-it `__fdividef(1, n)` (rcp.approx.f32: at most 2 ulp, whatever the compile flags) in every CUDA
-kernel. The pattern is the combine's own (a division of 1 by a max with 1); no other division
-is touched.
-"""
+Each thread's serial Welford merge has one float32 division per element, compiled to the slow IEEE
+sequence without --use_fast_math. This late pass makes it `__fdividef(1, n)` (at most 2 ulp) in
+every CUDA kernel; only the combine's own pattern (1 divided by a max with 1) is touched."""
 
 from __future__ import annotations
 
