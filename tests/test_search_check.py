@@ -2,6 +2,8 @@
 sum fails at every width and dtype, every output of a multi-output function is checked, and
 correct results with the rounding of a float32-accumulated kernel pass."""
 
+import functools
+
 import numpy as np
 import pytest
 import tvm
@@ -10,9 +12,9 @@ import tvm_ext
 from bench import spelled
 from bench.suite import random_inputs, reference, relax_module
 from helpers import NP_DTYPE
-from tvm_ext.search.measure import Measurer, build_candidate, check_outputs, output_bounds, output_count
+from tvm_ext.search.measure import Measurer, check_outputs, output_bounds, output_count
 from tvm_ext.search.tasks import extract_tasks
-from test_search_measure import zeroing_builder
+from test_search_measure import output_zeroing_builder, zeroing_builder
 
 CASES = [  # (op, shape, dtype): softmax rows of 1024, 4096 and 262144, norms, row, column and full sums
     ("softmax", [4, 1024], "float16"), ("softmax", [4, 4096], "float16"), ("softmax", [4, 4096], "bfloat16"),
@@ -144,28 +146,6 @@ def _task(mod):
     return task
 
 
-def first_output_zeroing_builder(*args):
-    """The real builder, writing zeros to the first of two outputs (add + RMSNorm's residual sum)."""
-    import tvm_ffi  # noqa: PLC0415
-    from tvm import tirx  # noqa: PLC0415
-
-    from tvm_ext import schedules  # noqa: PLC0415
-
-    real = schedules.schedule
-
-    def zeroing(func, target, knobs):
-        out = func.params[-2]
-        zero = lambda st: tirx.BufferStore(st.buffer, tirx.const(0, st.value.ty.dtype), st.indices) \
-            if st.buffer.same_as(out) else st  # noqa: E731
-        return real(func.with_body(tvm_ffi.structural_map(func.body, (tirx.BufferStore, zero))), target, knobs)
-
-    schedules.schedule = zeroing
-    try:
-        return build_candidate(*args)
-    finally:
-        schedules.schedule = real
-
-
 def test_both_outputs_of_add_rms_norm_are_checked_and_tvms_own_builds_pass(tmp_path):
     """A candidate that zeroes the residual sum (the first output) got a latency before; now it is
     an error naming that output, and one zeroing the norm names the second. Our heuristic's
@@ -176,7 +156,7 @@ def test_both_outputs_of_add_rms_norm_are_checked_and_tvms_own_builds_pass(tmp_p
              _task(relax_module("softmax", [8, 4096], "float16"))]
     with Measurer(TARGET, builders=1, timeout=120) as measurer:
         (good,) = measurer.measure(fused.func, [{"strategy": "cpu_rows", "lanes": 16}])
-        measurer.builder = first_output_zeroing_builder
+        measurer.builder = functools.partial(output_zeroing_builder, -2)
         (residual,) = measurer.measure(fused.func, [{"strategy": "cpu_rows", "lanes": 16}])
         measurer.builder = zeroing_builder
         (norm,) = measurer.measure(fused.func, [{"strategy": "cpu_rows", "lanes": 16}])
