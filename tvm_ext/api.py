@@ -86,7 +86,8 @@ def export(executable, path: str | os.PathLike) -> str:
         workspace = tempfile.mkdtemp(prefix=".tvm_ext_export.", dir=parent)
         tmp = os.path.join(workspace, os.path.basename(path))
         _write_library(executable, tmp)
-        manifest.update(size=os.path.getsize(tmp), sha256=file_sha256(tmp, os.path.getsize(tmp)))
+        size = os.path.getsize(tmp)
+        manifest.update(size=size, sha256=file_sha256(tmp, size))
         with open(tmp, "ab") as f:
             f.write(manifest_trailer(manifest))
             f.flush()

@@ -48,7 +48,7 @@ def check_cuda_arch(arch: str) -> str:
 
 
 def cuda_target(arch: str) -> Target:
-    return Target({"kind": "cuda", "arch": check_cuda_arch(arch), **_CUDA_LIMITS}, host=HOST)
+    return Target({"kind": "cuda", "arch": arch, **_CUDA_LIMITS}, host=HOST)
 
 
 def parse_target(target) -> Target:
