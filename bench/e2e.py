@@ -38,7 +38,7 @@ import torch  # noqa: E402  pylint: disable=wrong-import-order
 from bench.run import max_err, time_us, tvm_callable
 from examples.torch_models import make
 from tvm_ext.schedules.analysis import is_reduce_subgraph
-from tvm_ext.search.measure import task_bytes
+from tvm_ext.search.check import task_bytes
 from tvm_ext.search.tasks import extract_tasks
 
 REPEATS = 5  # profiled calls per model

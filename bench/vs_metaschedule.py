@@ -9,7 +9,7 @@ defaults: evolutionary search guided by the XGBoost cost model ("xgb": `XGBModel
 `PerStoreFeature` features; random scores until 100 measurements, its `num_warmup_samples`), local
 builder and runner. Writes `<out>/vs_metaschedule.json` with each task's tuning wall time and the
 library compiled from the best record; our tuner runs on the same case, and both kernels are checked
-and timed by our runner (`search.measure`). Needs `cloudpickle`, `psutil` and `xgboost`. Static shapes only.
+and timed by our runner (`search.runner`). Needs `cloudpickle`, `psutil` and `xgboost`. Static shapes only.
 """
 
 from __future__ import annotations

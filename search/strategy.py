@@ -15,7 +15,8 @@ from tvm_ext.records import append_record
 
 from .cost_model import CostModel
 from .features import SCHEMA, candidate_features
-from .measure import WORKER_DID_NOT_START, Result
+from .measure import Result
+from .worker_pool import WORKER_DID_NOT_START
 from .space import knob_space
 from .tasks import Task
 

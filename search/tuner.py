@@ -14,7 +14,8 @@ from tvm_ext.records import read_records
 from tvm_ext.target import parse_target
 
 from .cost_model import CostModel, logged_groups
-from .measure import Measurer, task_bytes
+from .check import task_bytes
+from .measure import Measurer
 from .scheduler import tune
 from .strategy import TaskSearch
 from .tasks import extract_tasks

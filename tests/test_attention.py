@@ -524,7 +524,7 @@ def test_transformers_attention_is_fused(recorded, kind, attn, seq):
     recognised, at any length; the module with the kernels' NumPy stand-ins computes what the
     original does."""
     mod, _, inputs = imported(kind, attn, seq=seq)
-    after = assert_fused_like_original(mod, recorded, [x.numpy() for x in inputs], atol=5e-3)
+    assert_fused_like_original(mod, recorded, [x.numpy() for x in inputs], atol=5e-3)
     assert [c["causal"] for c in recorded] == [kind == "llama"]
     assert abs(recorded[0]["scale"] - 0.125) < 1e-7
 

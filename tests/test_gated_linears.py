@@ -7,9 +7,7 @@ import re
 import numpy as np
 import pytest
 import tvm
-import tvm_ffi
 from tvm import relax
-from tvm.ir.expr import GenericConst
 from tvm.runtime.vm import VirtualMachine
 
 import tvm_ext
@@ -91,8 +89,6 @@ def test_on_sm_90a_the_activation_is_in_the_epilogue_of_the_joined_matmul():
 
 def test_without_the_interleave_nothing_is_merged():
     mod, _ = mlp(512, 128, 8192)
-    with SM_90A:  # parallel_matmuls' concatenated weight: each half is a block of columns, in other tiles
-        joined = tvm.transform.Sequential([parallel_matmuls.combine_parallel_linears])(mod) if False else None
     sm_90 = prim_funcs(fused_module(mod, tvm.target.Target({"kind": "cuda", "arch": "sm_90"})))
     assert not any("gated" in name for name in sm_90), list(sm_90)
 
@@ -171,11 +167,11 @@ def test_the_tuner_takes_the_gated_matmul_as_a_wgmma_task():
 
 
 def test_the_tuners_cpu_reference_of_the_gated_matmul_is_the_activation(always_joined, rng):
-    from tvm_ext.search.measure import _reference  # noqa: PLC0415
+    from tvm_ext.search.check import reference as cpu_reference  # noqa: PLC0415
 
     mod, weights = mlp(128, 64, 64)
     func = next(f for name, f in prim_funcs(fused_module(mod, SM_90A)).items() if "gated" in name)
-    cpu_func = _reference(func)
+    cpu_func = cpu_reference(func)
     lib = tvm.compile(tvm.IRModule({"main": cpu_func.with_attr("global_symbol", "main")}), target="llvm")
     x = rng.standard_normal((128, 64)).astype("float16")
     args = [tvm.runtime.tensor(a.astype(str(p.ty.dtype))) for a, p in

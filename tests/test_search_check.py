@@ -12,7 +12,8 @@ import tvm_ext
 from bench import spelled
 from bench.suite import random_inputs, reference, relax_module
 from helpers import NP_DTYPE
-from tvm_ext.search.measure import Measurer, check_outputs, output_bounds, output_count
+from tvm_ext.search.check import check_outputs, output_bounds, output_count
+from tvm_ext.search.measure import Measurer
 from tvm_ext.search.tasks import extract_tasks
 from test_search_measure import output_zeroing_builder, zeroing_builder
 

@@ -172,7 +172,7 @@ def test_each_measurement_is_logged_as_it_finishes(tmp_path):
 
 
 def test_a_point_whose_worker_never_started_is_measured_again_on_resume(tmp_path):
-    from tvm_ext.search.measure import WORKER_DID_NOT_START  # noqa: PLC0415
+    from tvm_ext.search.worker_pool import WORKER_DID_NOT_START  # noqa: PLC0415
     from tvm_ext.search.strategy import TaskSearch  # noqa: PLC0415
 
     task, log = softmax_task(), str(tmp_path / "resumed.json")

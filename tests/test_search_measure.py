@@ -11,7 +11,10 @@ import tvm
 import tvm_ext
 from bench.suite import relax_module
 from conftest import CUDA_TARGET
-from tvm_ext.search.measure import Measurer, _reference, build_candidate, measure, run_candidate
+from tvm_ext.search.builder import build_candidate
+from tvm_ext.search.check import reference
+from tvm_ext.search.measure import Measurer, measure
+from tvm_ext.search.runner import run_candidate
 from tvm_ext.search.space import knob_space
 from tvm_ext.search.tasks import extract_tasks
 from test_search_loop import _linear_bias
@@ -113,20 +116,20 @@ def test_bf16_layer_norm_reference_is_right(tmp_path):
     import tvm  # noqa: PLC0415
 
     from conftest import CUDA_TARGET  # noqa: PLC0415
-    from tvm_ext.search.measure import _expected  # noqa: PLC0415
+    from tvm_ext.search.runner import expected  # noqa: PLC0415
 
     (t,) = extract_tasks(relax_module("layer_norm", [256, 512], "bfloat16"), tvm_ext.parse_target(CUDA_TARGET))
-    expected = _expected(tvm.ir.save_json(t.func), {}, tvm.cpu(), str(tmp_path))
-    x, g, b = (a.numpy().astype("float64") for a in expected.inputs)
+    got = expected(tvm.ir.save_json(t.func), {}, tvm.cpu(), str(tmp_path))
+    x, g, b = (a.numpy().astype("float64") for a in got.inputs)
     want = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5) * g + b
-    assert np.abs(expected.outputs[0].want.reshape(want.shape) - want).max() < 0.1
+    assert np.abs(got.outputs[0].want.reshape(want.shape) - want).max() < 0.1
 
 
 def test_a_matmul_reference_reads_float32_operands_on_parallel_rows(rng):
     """The unscheduled fp16 reference of a 512 x 4096 x 4096 Linear took 92 s on the CPU; this one
     converts the operands once (exactly) and spreads rows over cores, and must still be right."""
     (task,) = extract_tasks(_linear_bias(64, 128, 256), tvm_ext.parse_target(CUDA_TARGET))
-    ref = _reference(task.func)
+    ref = reference(task.func)
     assert [str(p.ty.dtype) for p in ref.params] == ["float32", "float32", "float16", "float16"]
     assert "T.parallel" in ref.script() and "T.vectorized" in ref.script()
     a, w, b = (rng.standard_normal(s).astype("float16") for s in ([64, 256], [256, 128], [128]))
@@ -140,9 +143,9 @@ def test_a_matmul_reference_reads_float32_operands_on_parallel_rows(rng):
 
 
 def test_a_job_is_not_timed_out_for_its_workers_start_up():
-    from tvm_ext.search.measure import _Pool  # noqa: PLC0415
+    from tvm_ext.search.worker_pool import Pool  # noqa: PLC0415
 
-    pool = _Pool(1)  # a fresh spawned worker spends seconds importing TVM before it takes the job
+    pool = Pool(1)  # a fresh spawned worker spends seconds importing TVM before it takes the job
     try:
         ((status, value),) = pool.map(math.factorial, [(5,)], timeout=0.05)
     finally:

@@ -1,0 +1,253 @@
+"""Reference and check: what a task's outputs must be (TVM's unscheduled CPU build of it, on seeded
+inputs) and whether a candidate's outputs are within dtype-derived bounds of it, row by row."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import tvm
+import tvm_ffi
+from tvm import tirx
+from tvm.ir.expr import TensorLoad, TensorRegion
+from tvm.ir.prim.expr import Cast
+
+from tvm_ext.schedules import conv2d, matmul
+
+from .features import NOMINAL
+
+CHECK_CHUNK = 1 << 20  # elements compared per thread at a time (fits in cache)
+
+
+def _concrete(shape, dims: dict) -> list[int]:
+    """A buffer shape with symbolic dims set to `dims` (NOMINAL where not given)."""
+    return [int(d.value) if hasattr(d, "value") else int(dims.get(d.name, NOMINAL)) for d in shape]
+
+
+def task_bytes(func, dims: dict | None = None) -> int:
+    """Bytes of every parameter buffer: what must cross memory at least once."""
+    return sum(int(np.prod(_concrete(p.shape, dims or {}))) * tvm.DataType(str(p.ty.dtype)).bits // 8
+               for p in func.params)
+
+
+def _random(rng, shape, dtype: str) -> np.ndarray:
+    """Seeded standard-normal values in `dtype`; bfloat16 by truncating float32 bits (ml_dtypes' own
+    conversion takes seconds on a large tensor)."""
+    values = rng.standard_normal(shape, dtype="float32")
+    if dtype == "bfloat16":
+        return (values.view(np.uint32) >> 16).astype(np.uint16).view(dtype)
+    return values.astype(dtype)
+
+
+def output_count(func) -> int:
+    """How many of `func`'s parameters are outputs: the trailing ones it stores to (call_tir passes
+    the outputs last; add + RMSNorm writes the residual sum and the norm)."""
+    stored = []
+    tvm_ffi.structural_walk(func.body, (tirx.BufferStore, lambda st: stored.append(st.buffer)), order="pre")
+    written = [any(p.same_as(b) for b in stored) for p in func.params]
+    if True not in written:
+        raise ValueError("the task's function writes none of its parameters: it has no output to check")
+    return len(written) - written.index(True)
+
+
+def _arrays(func, dims: dict) -> list[np.ndarray]:
+    """Seeded random inputs and zeroed outputs for every parameter buffer of `func`."""
+    rng, arrays, inputs = np.random.default_rng(0), [], len(func.params) - output_count(func)
+    for i, param in enumerate(func.params):
+        shape, dtype = _concrete(param.shape, dims), str(param.ty.dtype)
+        arrays.append(_random(rng, shape, dtype) if i < inputs and "float" in dtype else np.zeros(shape, dtype))
+    return arrays
+
+
+def _float32_inputs(func, params=None):
+    """`func` with its bfloat16 inputs (or the inputs `params`, where they are only read through a
+    cast to float32) read as float32 buffers, for the CPU reference: there TVM 0.27's bf16
+    legalization computes reductions with several outputs (Welford) wrongly (error 17.7 on a bf16
+    LayerNorm; 0.03 this way), and fp16 matmul operands are converted in software, element by element."""
+    inputs = func.params[:len(func.params) - output_count(func)]
+    params = params if params is not None else [p for p in inputs if str(p.ty.dtype) == "bfloat16"]
+    remap = {i: tirx.decl_buffer(p.shape, "float32", p.name) for i, p in enumerate(inputs)
+             if any(p.same_as(q) for q in params)}
+    if not remap:
+        return func
+
+    def new_of(buffer):
+        return next((remap[i] for i in remap if func.params[i].same_as(buffer)), None)
+
+    def cast(node):
+        new = new_of(node.value.source) if isinstance(node.value, TensorLoad) and str(node.ty.dtype) == "float32" else None
+        return node if new is None else tirx.BufferLoad(new, node.value.indices)
+
+    def region(node):
+        new = new_of(node.source)
+        return node if new is None else tirx.BufferRegion(new, node.region)
+
+    body = tvm_ffi.structural_map(func.body, [(Cast, cast), (TensorRegion, region)])
+    return tirx.PrimFunc([remap.get(i, p) for i, p in enumerate(func.params)], body, func.ret_type, func.attrs)
+
+
+REFERENCE_LANES = 16  # float32 columns per vector in a matmul reference
+
+
+def reference(func) -> tirx.PrimFunc:
+    """What computes the task's reference on the CPU: `func` unscheduled, or for a matmul, its
+    operands read as float32 and its loops parallel over rows and vectorised over columns (the
+    unscheduled form of a large fp16 Linear is too slow on a CPU to serve as a reference)."""
+    convolution = conv2d.convolution(func)
+    if convolution is not None:
+        return _conv2d_reference(convolution)
+    found = matmul.contraction(func, over_c=False)  # the epilogue blocks stay plain loops
+    operands = [x.source for x in matmul.multiply_accumulate(found[0].get(found[1]).body)] if found else []
+    if not operands or "float" not in str(operands[0].dtype):
+        return _float32_inputs(func)
+    sch, block, _ = found
+    *batch, i, j, k = sch.get_loops(block)
+    sch.reorder(i, k, j)
+    sch.parallel(sch.fuse(*batch, i))
+    if int(sch.get(j).extent) % REFERENCE_LANES == 0:
+        sch.vectorize(sch.split(j, [None, REFERENCE_LANES])[1])
+    return _float32_inputs(sch.mod["main"], operands)
+
+
+def _conv2d_reference(convolution) -> tirx.PrimFunc:
+    """A convolution for the CPU reference: parallel over images and output channels, the padding
+    computed per image and channel, each tap a vectorised pass over an output row (the unscheduled
+    32 x 256 x 56 x 56 layer would take minutes)."""
+    sch, pads, block, _ = convolution
+    n, f, y, x, c, r, s = sch.get_loops(block)
+    sch.reorder(n, f, c, r, s, y, x)
+    outer = sch.fuse(n, f)
+    sch.parallel(outer)
+    for pad in pads:
+        sch.compute_at(pad, outer)
+    sch.vectorize(x)
+    return sch.mod["main"]
+
+
+def reference_arrays(func, dims: dict, path: str) -> list[np.ndarray]:
+    """Seeded inputs and the reference's outputs for every parameter of `func`: the reference is
+    built for the CPU and run once, and saved at `path` so that a replaced runner reloads it."""
+    if os.path.exists(path):
+        with np.load(path) as saved:  # bfloat16 comes back as raw 2-byte records: view it again
+            return [saved[f"a{i}"].view(str(p.ty.dtype)) for i, p in enumerate(func.params)]
+    arrays, outputs = _arrays(func, dims), output_count(func)
+    ref = reference(func)
+    lib = tvm.compile(tvm.IRModule({"main": ref.with_attr("global_symbol", "main")}), target="llvm")
+    args = [tvm.runtime.tensor(a.astype(str(p.ty.dtype), copy=False)) for a, p in zip(arrays, ref.params)]
+    lib["main"](*args)
+    arrays[-outputs:] = [a.numpy() for a in args[-outputs:]]
+    np.savez(path + ".tmp.npz", **{f"a{i}": a for i, a in enumerate(arrays)})
+    os.replace(path + ".tmp.npz", path)
+    return arrays
+
+
+ELEMENT_ULPS = 8  # one element may be off by this many ulps of the output dtype at its row's largest value
+MASS_ULPS = 2  # a row's errors may add up to this many ulps of its summed magnitude
+FLOAT32_TOLERANCE = 1e-3  # float32's floor on both: its errors are the reference's long float32 sums, not rounding
+NOISE = 2.0 ** -16  # of the tensor's largest |value|: any element may be off by this much (see output_bounds)
+
+
+def tolerances(dtype: str) -> tuple[float, float]:
+    """(element, mass) tolerances of an output dtype, relative to a row's largest and summed |value|:
+    float16 0.0078 and 0.002, bfloat16 0.0625 and 0.0156, float32 0.001 and 0.001; 0 for integers
+    (exact). A correct candidate differs from the reference by about one rounding of the output
+    (measured on the suite: under 0.5 ulp per element, 0.2-0.5 ulp summed) plus, in float32, the
+    error of the reference's sequential float32 sums (up to 1.3e-4 relative on a 401408-long
+    variance); a row 14% off, doubled, constant or zeroed is off by far more."""
+    if "float" not in dtype:
+        return 0.0, 0.0
+    eps = float(ml_dtypes.finfo(np.dtype(dtype)).eps)
+    return max(ELEMENT_ULPS * eps, FLOAT32_TOLERANCE), max(MASS_ULPS * eps, FLOAT32_TOLERANCE)
+
+
+def _rows(shape) -> tuple[int, int]:
+    """(rows, width) an output is checked by: rows along its last axis where it has two or more
+    axes longer than 1 (a norm's or a softmax's rows), else one row holding the whole tensor (a sum)."""
+    long_axes, size = [d for d in shape if d != 1], int(np.prod(shape))
+    width = long_axes[-1] if len(long_axes) >= 2 else size
+    return (size // width, width) if width else (0, 0)
+
+
+@dataclass
+class Output:
+    """What one output of a task must be: the reference by rows, and each row's error bounds."""
+    name: str
+    dtype: str
+    want: np.ndarray  # float32, (rows, width); zero where the reference is NaN or infinite
+    special: np.ndarray  # flat positions where the reference is NaN or infinite ...
+    special_want: np.ndarray  # ... and its values there, which a candidate must repeat
+    element_bound: np.ndarray  # per row: the largest |got - want| of one element
+    mass_bound: np.ndarray  # per row: the largest sum of |got - want|
+
+
+def output_bounds(want: np.ndarray, dtype: str, name: str) -> Output:
+    """An Output for reference `want` of an output of `dtype`: per row, |got - want| <= element x
+    the row's largest |want| for every element, and sum |got - want| <= mass x sum |want| (see
+    tolerances), but never less than NOISE of the tensor's largest |want| per element: a value the
+    reference cancels to zero (a ReLU'd row) keeps a candidate's float32 accumulation noise."""
+    element, mass = tolerances(dtype)
+    flat = want.astype("float32").reshape(_rows(want.shape))
+    special = np.flatnonzero(~np.isfinite(flat))
+    special_want = flat.reshape(-1)[special]
+    flat.reshape(-1)[special] = 0
+    magnitude = np.abs(flat)
+    noise = NOISE * float(magnitude.max(initial=0))
+    return Output(name, dtype, flat, special, special_want, np.maximum(element * magnitude.max(-1, initial=0), noise),
+                   np.maximum(mass * magnitude.sum(-1), noise * flat.shape[1]))
+
+
+def _row_errors(got: np.ndarray, out: Output) -> tuple[np.ndarray, np.ndarray]:
+    """(largest, summed) |got - want| of each row (NaN where got is NaN at a finite reference).
+    Compared in cache-sized chunks over threads: whole-array numpy expressions spill every
+    temporary to memory and dominate a large candidate's check."""
+    rows, width = out.want.shape
+    if not rows:
+        return np.zeros(0, "float32"), np.zeros(0, "float32")
+    step = max(1, CHECK_CHUNK // width)
+
+    def errors(start: int) -> tuple:
+        part = got[start:start + step].astype("float32")
+        np.subtract(part, out.want[start:start + step], out=part)
+        np.abs(part, out=part)
+        return part.max(-1, initial=0), part.sum(-1)
+
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        parts = list(pool.map(errors, range(0, rows, step)))
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def _mismatch(got: np.ndarray, out: Output) -> str | None:
+    """What is wrong with `got` as output `out`, or None when it is within the bounds."""
+    got = got.reshape(out.want.shape)
+    if out.special.size:  # NaN where the reference has NaN, the same infinity where it has one
+        there = got.reshape(-1)[out.special].astype("float32")
+        same = (np.isnan(there) & np.isnan(out.special_want)) | (there == out.special_want)
+        if not same.all():
+            i = int(np.argmin(same))
+            return f"element {int(out.special[i])} is {there[i]} where the reference has {out.special_want[i]}"
+        got = got.copy()
+        got.reshape(-1)[out.special] = 0
+    largest, summed = _row_errors(got, out)
+    where = f"of {len(largest)} rows of {out.want.shape[1]}" if len(largest) > 1 else "(one row: the whole tensor)"
+    bad = np.flatnonzero(~(largest <= out.element_bound))
+    if bad.size:
+        r = int(bad[0])
+        return (f"row {r} {where}: an element is off by {largest[r]:.3g}, more than {out.element_bound[r]:.3g} "
+                f"({tolerances(out.dtype)[0]:.3g} of the row's largest |value|); {bad.size} row(s) so")
+    bad = np.flatnonzero(~(summed <= out.mass_bound))
+    if bad.size:
+        r = int(bad[0])
+        return (f"row {r} {where}: errors sum to {summed[r]:.3g}, more than {out.mass_bound[r]:.3g} "
+                f"({tolerances(out.dtype)[1]:.3g} of the row's summed |value|); {bad.size} row(s) so")
+    return None
+
+
+def check_outputs(got: list, outputs: list) -> None:
+    """Raise unless every output is within its bounds (see output_bounds), naming the first that is not."""
+    for i, (value, out) in enumerate(zip(got, outputs, strict=True)):
+        problem = _mismatch(value, out)
+        if problem:
+            raise ValueError(f"wrong result: output {i} ({out.name}, {out.dtype}): {problem}")

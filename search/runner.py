@@ -1,0 +1,107 @@
+"""Runner: load a built candidate in the runner process, check its outputs, time it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import te
+
+from .check import check_outputs, output_bounds, output_count, reference_arrays
+
+REPEAT = 20  # timed calls per candidate on a GPU (each after an L2 flush); CPU: repeats of 10 calls
+FLUSH_BYTES = 256 << 20  # twice the largest L2 we target
+COPY_TIMEOUT_S = 120.0  # seconds the copy-bandwidth measurement may take
+
+
+def _device(target):
+    return tvm.cpu() if target.kind.name == "llvm" else tvm.device(target.kind.name)
+
+
+@dataclass
+class Expected:
+    """A task's inputs on the device and what its outputs must be, kept by the runner across candidates."""
+    inputs: list
+    outputs: list  # one check.Output per output parameter
+    poison: list  # per output, a device tensor of its shape no correct candidate leaves in place
+
+
+_EXPECTED: dict = {}  # in a runner: the current task's Expected
+
+
+def expected(func_json: str, dims: dict, device, scratch: str) -> Expected:
+    """The task's Expected, computed once per task (one task at a time is kept on the device)."""
+    key = hashlib.sha1(f"{func_json}{sorted(dims.items())}".encode()).hexdigest()
+    if key not in _EXPECTED:
+        _EXPECTED.clear()  # free the last task's device memory
+        func = tvm.ir.load_json(func_json)
+        outputs = output_count(func)
+        arrays = reference_arrays(func, dims, os.path.join(scratch, f"reference-{key}.npz"))
+        params, wants = func.params[-outputs:], arrays[-outputs:]
+        _EXPECTED[key] = Expected(
+            [tvm.runtime.tensor(a, device) for a in arrays[:-outputs]],
+            [output_bounds(w, str(p.ty.dtype), p.name) for w, p in zip(wants, params)],
+            [tvm.runtime.tensor(np.full(w.shape, np.nan if "float" in str(w.dtype) else -7, w.dtype), device)
+             for w in wants])
+    return _EXPECTED[key]
+
+
+def _l2_flusher(target, device):
+    """The name of a global function that evicts the GPU's L2 by launching a copy kernel larger than
+    it. A kernel, not a runtime copy: it is queued without waiting, so the timed call that follows
+    starts the moment it ends and the timer sees no launch gap."""
+    name = "tvm_ext.search.flush_l2"
+    if tvm.get_global_func(name, allow_missing=True) is None:
+        a = te.placeholder((FLUSH_BYTES // 4,), "float32", name="a")
+        sch = tvm.s_tir.Schedule(te.create_prim_func([a, te.compute(a.shape, lambda i: a[i] + 1.0, name="b")]))
+        blocks, threads = sch.split(sch.get_loops(sch.get_sblock("b"))[0], [None, 256])
+        sch.bind(blocks, "blockIdx.x")
+        sch.bind(threads, "threadIdx.x")
+        kernel = tvm.compile(sch.mod, target=target)
+        src, dst = (tvm.runtime.empty(a.shape, "float32", device) for _ in range(2))
+
+        def flush(*_args) -> None:  # returns nothing: the timer's C++ caller takes no object back
+            kernel["main"](src, dst)
+        tvm.register_global_func(name, flush, override=True)
+    return name
+
+
+def run_candidate(func_json: str, target_json: str, dims: dict, scratch: str, lib_path: str, zeroed: list,
+                  repeat: int = REPEAT) -> list[float]:
+    """In the runner: load a built candidate, check its output against the reference, time it (us)."""
+    target = tvm.target.Target(target_json)
+    device = _device(target)
+    want = expected(func_json, dims, device, scratch)
+    lib = tvm.runtime.load_module(lib_path)
+    outs = [tvm.runtime.empty(p.shape, p.dtype, device) for p in want.poison]
+    for poison, out in zip(want.poison, outs):
+        poison.copyto(out)  # a candidate that skips an element cannot pass
+    zeros = [tvm.runtime.tensor(np.zeros(shape, zdtype), device) for shape, zdtype in zeroed]
+    args = want.inputs + zeros + outs
+    lib["main"](*args)
+    check_outputs([out.numpy() for out in outs], want.outputs)
+    if target.kind.name == "llvm":
+        timer = lib.time_evaluator("main", device, number=10, repeat=max(3, repeat // 4))
+    else:
+        timer = lib.time_evaluator("main", device, number=1, repeat=repeat, f_preproc=_l2_flusher(target, device))
+    return [t * 1e6 for t in timer(*args).results]
+
+
+def copy_gbps(target_json: str) -> float:
+    """The device's copy bandwidth (bytes read + written per second / 1e9), the yardstick of the tables."""
+    target = tvm.target.Target(target_json)
+    device = _device(target)
+    size = 1 << 26 if target.kind.name == "llvm" else 1 << 30
+    src, dst = tvm.runtime.empty((size,), "uint8", device), tvm.runtime.empty((size,), "uint8", device)
+    best = float("inf")
+    for _ in range(10):
+        device.sync()
+        start = time.perf_counter()
+        src.copyto(dst)
+        device.sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size / best / 1e9

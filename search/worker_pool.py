@@ -1,0 +1,171 @@
+"""Worker pool: spawned processes that run one job at a time, replaced when a job fails or overruns."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+from collections import deque
+
+POLL_S = 0.01
+PARENT_POLL_S = 1.0  # how often a worker checks that the tuner that started it is alive
+START_S = 300.0  # seconds a spawned worker may take to import TVM before it is given up on
+WORKER_DID_NOT_START = "the measuring worker did not start"  # a failure of the machinery, not of the candidate:
+# its records do not count as measured, so a resumed run measures the point again
+
+
+def _error_text(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[-1] if text else ''}"
+
+
+def _exit_with_parent() -> None:
+    """End this worker within a second of its parent's death (a SIGKILLed tuner cleans up nothing):
+    an orphan would hold the caller's pipes open and its memory for as long as its job ran."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _serve(jobs, results):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the tuner's to handle: it stops the workers
+    _exit_with_parent()
+    results.put(("ready", None))  # imports done: from now on a job's time is its own
+    while (job := jobs.get()) is not None:
+        fn, args = job
+        try:
+            results.put(("ok", fn(*args)))
+        except BaseException as err:  # everything a candidate can throw is its error, reported
+            results.put(("error", _error_text(err)))
+
+
+class Worker:
+    """A spawned process that runs one job at a time. A job's `timeout` counts from when both the
+    job is submitted and the worker has finished starting (importing TVM takes seconds, more on a
+    busy machine): a candidate is never timed out for the worker's start-up."""
+
+    def __init__(self, context):
+        self.jobs, self.results = context.Queue(), context.Queue()
+        self.process = context.Process(target=_serve, args=(self.jobs, self.results), daemon=True)
+        self.process.start()
+        self.job, self.created, self.started, self.ready = None, time.monotonic(), 0.0, False
+
+    def submit(self, job_id, fn, args) -> None:
+        self.job, self.started = job_id, time.monotonic()
+        self.jobs.put((fn, args))
+
+    def poll(self, timeout: float):
+        """(status, value) of the running job when it has ended, else None."""
+        try:
+            answer = self.results.get_nowait()
+            if answer[0] != "ready":
+                return answer
+            self.ready, self.started = True, time.monotonic()
+        except queue.Empty:
+            pass
+        if not self.ready and self.process.is_alive():
+            if time.monotonic() - self.created > START_S:
+                return "error", f"{WORKER_DID_NOT_START} within {START_S:g} s"
+            return None
+        if not self.process.is_alive():
+            try:  # it may have answered just before it ended
+                return self.results.get(timeout=0.5)
+            except queue.Empty:
+                return "error", f"the worker died (exit code {self.process.exitcode})"
+        if time.monotonic() - self.started > timeout:
+            return "error", f"timed out after {timeout:g} s"
+        return None
+
+    def stop(self) -> None:
+        """Ask the worker to exit once its current job is done."""
+        if self.process.is_alive():
+            self.jobs.put(None)
+
+    def close(self, kill: bool = False) -> None:
+        """Wait briefly for a stopped worker to exit (`kill`: not at all), then kill it if it has not."""
+        if not kill:
+            self.process.join(2)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+class Pool:
+    """Up to `size` workers taking submitted jobs in order; a worker whose job failed is replaced
+    before it takes another. With `spare`, one more worker is kept started so that a replacement
+    does not wait for TVM's import."""
+
+    def __init__(self, size: int, spare: bool = False):
+        self.context, self.size, self.spare = mp.get_context("spawn"), size, spare
+        self.workers: list = []
+        self.reserve = None
+        self.pending: deque = deque()  # (job id, fn, args, timeout) not started yet
+        self.busy: dict = {}  # worker -> timeout of its job
+
+    def _fresh(self) -> Worker:
+        worker, self.reserve = self.reserve or Worker(self.context), None
+        if self.spare:
+            self.reserve = Worker(self.context)
+        return worker
+
+    def warm(self) -> None:
+        """Start every worker now, so that TVM's import overlaps with the caller's own work."""
+        while len(self.workers) < self.size:
+            self.workers.append(self._fresh())
+
+    def submit(self, job_id, fn, args, timeout: float) -> None:
+        self.pending.append((job_id, fn, args, timeout))
+
+    @property
+    def idle(self) -> bool:
+        return not self.pending and not self.busy
+
+    def poll(self) -> list:
+        """Start pending jobs on free workers; (job id, (status, value)) of each job that has ended."""
+        while self.pending and len(self.workers) < self.size and len(self.busy) == len(self.workers):
+            self.workers.append(self._fresh())
+        for worker in [w for w in self.workers if w not in self.busy]:
+            if not self.pending:
+                break
+            job_id, fn, args, timeout = self.pending.popleft()
+            worker.submit(job_id, fn, args)
+            self.busy[worker] = timeout
+        ended = []
+        for worker, timeout in list(self.busy.items()):
+            answer = worker.poll(timeout)
+            if answer is None:
+                continue
+            ended.append((worker.job, answer))
+            del self.busy[worker]
+            if answer[0] != "ok":
+                worker.close(kill=True)
+                self.workers[self.workers.index(worker)] = self._fresh()
+        return ended
+
+    def map(self, fn, jobs: list, timeout: float) -> list:
+        """(status, value) of fn(*args) for each args of `jobs`, in order."""
+        for i, args in enumerate(jobs):
+            self.submit(i, fn, args, timeout)
+        out = [None] * len(jobs)
+        while not self.idle:
+            for i, answer in self.poll():
+                out[i] = answer
+            time.sleep(POLL_S)
+        return out
+
+    def close(self) -> None:
+        """Ask every worker to stop, then wait for them together (each takes a while to tear TVM down)."""
+        workers = self.workers + ([self.reserve] if self.reserve else [])
+        for worker in workers:
+            worker.stop()
+        for worker in workers:
+            worker.close()
+        self.workers, self.reserve = [], None
