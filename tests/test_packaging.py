@@ -63,3 +63,34 @@ def test_the_installed_package_builds_from_outside_the_repository(wheel, tmp_pat
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_the_wheel_declares_the_command_lines(wheel):
+    (entry_points,) = [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".dist-info/entry_points.txt")]
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "tvm-ext-demo = tvm_ext.demo:main" in text and "tvm-ext-tune = tvm_ext.search.cli:main" in text
+
+
+def _installed(wheel, tmp_path, code: str) -> subprocess.CompletedProcess:
+    """`code` run from outside the repository with only the wheel's files on the path and no GPU."""
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_the_installed_demo_runs_its_model(wheel, tmp_path):
+    done = _installed(wheel, tmp_path, "import sys; from tvm_ext.demo import main; sys.exit(main(['--out', 'o']))")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "demo: all outputs match NumPy"
+    assert (tmp_path / "o" / "transformer_norms_llvm.so").is_file()
+
+
+def test_the_installed_tuner_names_what_needs_the_checkout(wheel, tmp_path):
+    code = ("import sys; sys.argv[0] = 'tvm-ext-tune'; from tvm_ext.search.cli import main; "
+            "sys.exit(main(['--model', 'suite', '--target', 'llvm', '--trials', '1', '--log', 'l.json']))")
+    done = _installed(wheel, tmp_path, code)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip() == ("tvm-ext-tune: --model suite needs the tvm_ext repository checkout (bench.suite is "
+                                   "not installed with the package): run from the checkout, or pass a .py file "
+                                   "defining build_module()")
