@@ -13,7 +13,10 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import SBlockInfo, normalize_prim_func
+from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
+
+from .contracts import WIDER
 
 ROW = "row"  # the innermost reduce axis is the innermost (contiguous) axis of the input
 COLUMN = "column"  # the innermost input axis is a spatial one: reduce across rows
@@ -233,3 +236,20 @@ def substitute(expr, bindings: dict):
         return var
 
     return tvm_ffi.structural_map(expr, (tirx.Var, replace))
+
+
+def multiply_accumulate(store) -> tuple | None:
+    """(a load, b load) when `store` is `c = c + cast(a) * cast(b)` with a and b of one low-precision
+    dtype and c of the wider one, else None."""
+    if not isinstance(store, tirx.BufferStore) or not isinstance(store.value, tirx.Add):
+        return None
+    acc, product = store.value.a, store.value.b
+    if not (isinstance(acc, TensorLoad) and acc.source.same_as(store.buffer) and isinstance(product, tirx.Mul)):
+        return None
+    loads = [x.value for x in (product.a, product.b) if isinstance(x, tirx.Cast)]
+    if len(loads) != 2 or not all(isinstance(x, TensorLoad) for x in loads):
+        return None
+    a, b = loads
+    if WIDER.get(str(a.source.dtype)) != str(store.buffer.dtype) or a.source.dtype != b.source.dtype:
+        return None
+    return a, b

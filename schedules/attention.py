@@ -12,6 +12,7 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .contracts import COPY_ELEMS, MASK_DTYPES
 from .strided_view import StridedView
 from .wgmma_matmul import ATOM_BYTES, ROWS, SWIZZLE_128B, WARPGROUP, accumulator_position, swizzled
 
@@ -19,9 +20,6 @@ ATOM_COLS = 64  # fp16 columns of one 128-byte swizzled row
 HEAD_DIMS = (64, 128)
 MASKED = -1.0e30  # finite: a fully masked row of a tile then adds exp2(-1e30 - m) = 0, never NaN
 LOG2E = 1.4426950408889634
-COPY_ELEMS = 8  # fp16 elements of one 16-byte cp.async
-MASK_FLOOR = -1.0e29  # finite mask values at or above this: x LOG2E they stay above MASKED
-MASK_DTYPES = ("float16", "float32")
 OPERANDS = ("q", "k", "v", "out")
 Operand = tuple[tuple[int, ...], StridedView]  # the tensor passed, and where the logical operand lies in it
 

@@ -1,7 +1,7 @@
 """What the templates here and tvm_ext's graph rewrites and TIR passes must agree on, in one place
 that both import: PrimFunc attributes and placeholders a template writes and the pipeline reads,
-the layout of a gated MLP's joint weight, the operand types with tensor cores, and the wgmma tile
-that joined linears are sized for."""
+the layout of a gated MLP's joint weight, the operand types with tensor cores, the masks and views
+the attention kernel takes, and the wgmma tile that joined linears are sized for."""
 
 from __future__ import annotations
 
@@ -12,8 +12,13 @@ GRID_SYNC = "cooperative_groups::this_grid().sync"  # a grid barrier, printed by
 
 GATE_RUN = 8  # columns: a gated product's joint weight alternates runs of this many gate and up rows
 
+WARP = 32  # lanes of the matmul template's warp tile, the loop tir/tensorize.py matches
 WIDER = {"float16": "float32", "bfloat16": "float32", "int8": "int32"}  # input dtype -> accumulator dtype
 TENSOR_CORE_DTYPES = ("float16", "int8")  # operands TVM 0.27 has 16x16x16 WMMA intrinsics for (no bf16)
+
+MASK_FLOOR = -1.0e29  # attention: finite mask values at or above this stay above the kernel's MASKED
+MASK_DTYPES = ("float16", "float32")  # attention: mask dtypes the kernel reads
+COPY_ELEMS = 8  # attention: fp16 elements of one 16-byte cp.async, the unit-stride run a view needs
 
 WIDE_TILE = (128, 256)  # the wgmma tile a block alone on its SM takes (wgmma_matmul.PREFERENCE's first)...
 WIDE_TILE_WAVES = 1.9  # ...where it gives this many waves of blocks

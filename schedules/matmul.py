@@ -11,31 +11,13 @@ import math
 import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
-from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 
-from .contracts import TENSOR_CORE_DTYPES, WIDER
+from .analysis import multiply_accumulate
+from .contracts import TENSOR_CORE_DTYPES, WARP
 
 NAME = "matmul"
-WARP = 32
 STATIC_SHARED = 48 * 1024  # bytes of static shared memory a block may declare
 MAX_SHARED = 227 * 1024  # the most shared memory a block may opt in to (sm_90)
-
-
-def multiply_accumulate(store) -> tuple | None:
-    """(a load, b load) when `store` is `c = c + cast(a) * cast(b)` with a and b of one low-precision
-    dtype and c of the wider one, else None."""
-    if not isinstance(store, tirx.BufferStore) or not isinstance(store.value, tirx.Add):
-        return None
-    acc, product = store.value.a, store.value.b
-    if not (isinstance(acc, TensorLoad) and acc.source.same_as(store.buffer) and isinstance(product, tirx.Mul)):
-        return None
-    loads = [x.value for x in (product.a, product.b) if isinstance(x, tirx.Cast)]
-    if len(loads) != 2 or not all(isinstance(x, TensorLoad) for x in loads):
-        return None
-    a, b = loads
-    if WIDER.get(str(a.source.dtype)) != str(store.buffer.dtype) or a.source.dtype != b.source.dtype:
-        return None
-    return a, b
 
 
 def contraction(func: tirx.PrimFunc, over_c: bool = True):

@@ -19,7 +19,7 @@ from tvm.script import tirx as T
 
 from . import matmul
 from .contracts import GATE_RUN, WIDE_TILE, WIDE_TILE_WAVES, gate_column
-from .analysis import substitute
+from .analysis import multiply_accumulate, substitute
 
 NAME = "wgmma_matmul"
 ROWS = 64  # of one warpgroup's m64nNk16
@@ -59,7 +59,7 @@ def _fit(func: tirx.PrimFunc):
         return None
     sch, block_rv, epilogue = found
     block = sch.get(block_rv)
-    a, _ = matmul.multiply_accumulate(block.body)
+    a, _ = multiply_accumulate(block.body)
     extents = [iv.dom.extent for iv in block.iter_vars]
     if str(a.source.dtype) != "float16" or str(block.writes[0].source.dtype) != "float32" \
             or not all(isinstance(e, tirx.IntImm) for e in extents) or matmul.part_strides(block) != []:
@@ -312,7 +312,7 @@ def _apply(func: tirx.PrimFunc, found, knobs: dict) -> s_tir.Schedule | None:
 def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k) -> tirx.Stmt:
     """The loop nest, written against the original function's buffers; with `views` (_tma_views),
     loaded by TMA, after the host statements that encode its descriptors."""
-    a_load, b_load = matmul.multiply_accumulate(block.body)
+    a_load, b_load = multiply_accumulate(block.body)
     ivs = [iv.var for iv in block.iter_vars]
     *batch_vars, row_var, col_var, k_var = ivs
     b_n_major = not matmul.k_is_last(block)[1]
@@ -531,7 +531,7 @@ def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k) -> tirx
 def _tma_views(block):
     """_tensor_view of A (k inner, rows outer) and of B (k inner over a k-major B, else its
     columns), or None where either is indexed otherwise."""
-    a_load, b_load = matmul.multiply_accumulate(block.body)
+    a_load, b_load = multiply_accumulate(block.body)
     *_, row_var, col_var, k_var = (iv.var for iv in block.iter_vars)
     b_axes = (k_var, col_var) if matmul.k_is_last(block)[1] else (col_var, k_var)
     views = _tensor_view(a_load, block, k_var, row_var), _tensor_view(b_load, block, *b_axes)

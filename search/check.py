@@ -16,6 +16,7 @@ from tvm.ir.expr import TensorLoad, TensorRegion
 from tvm.ir.prim.expr import Cast
 
 from tvm_ext.schedules import conv2d, matmul
+from tvm_ext.schedules.analysis import multiply_accumulate
 
 from .features import NOMINAL
 
@@ -100,7 +101,7 @@ def reference(func) -> tirx.PrimFunc:
     if convolution is not None:
         return _conv2d_reference(convolution)
     found = matmul.contraction(func, over_c=False)  # the epilogue blocks stay plain loops
-    operands = [x.source for x in matmul.multiply_accumulate(found[0].get(found[1]).body)] if found else []
+    operands = [x.source for x in multiply_accumulate(found[0].get(found[1]).body)] if found else []
     if not operands or "float" not in str(operands[0].dtype):
         return _float32_inputs(func)
     sch, block, _ = found

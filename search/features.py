@@ -16,6 +16,7 @@ from tvm.target import Target
 
 from tvm_ext.schedules import conv2d, matmul, wgmma_matmul
 from tvm_ext.schedules.analysis import ReducePattern, const_int, match
+from tvm_ext.schedules.contracts import WARP
 from tvm_ext.schedules.device import Device, device_of
 from tvm_ext.schedules.dispatch import STRATEGIES
 from tvm_ext.schedules.rows import cached_inputs, estimated_registers, row_bytes
@@ -77,11 +78,11 @@ def matmul_features(block, knobs: dict, epilogue: bool, device: Device) -> np.nd
     *batch, m, n, k = (int(iv.dom.extent) for iv in block.iter_vars)
     item = matmul.operand_itemsize(block)
     bm, bn, bk, stages = (int(knobs[x]) for x in ("block_m", "block_n", "block_k", "stages"))
-    outputs, threads = math.prod(batch) * m * n, bm // int(knobs["warp_m"]) * int(knobs["warp_n"]) * matmul.WARP
+    outputs, threads = math.prod(batch) * m * n, bm // int(knobs["warp_m"]) * int(knobs["warp_n"]) * WARP
     blocks = outputs // (bm * bn)
     smem = matmul.shared_bytes(knobs, item, matmul.k_is_last(block))
     warp_tile = int(knobs["warp_m"]) * bn // int(knobs["warp_n"])
-    registers = min(255, 40 + warp_tile // matmul.WARP)  # fp32 accumulators + ~40 (ptxas: 168 at 64 x 64)
+    registers = min(255, 40 + warp_tile // WARP)  # fp32 accumulators + ~40 (ptxas: 168 at 64 x 64)
     resident = device.resident_blocks(threads, registers, smem)
     slots = max(1, device.sm_count * resident)
     waves = blocks / slots

@@ -18,6 +18,7 @@ from tvm.runtime.vm import VirtualMachine
 from tvm.target import Target
 
 from tvm_ext.schedules import attention
+from tvm_ext.schedules.contracts import COPY_ELEMS, MASK_DTYPES, MASK_FLOOR
 from tvm_ext.schedules.device import device_of
 from tvm_ext.schedules.strided_view import StridedView
 
@@ -204,7 +205,7 @@ def _mask_kind(masks: _Masks, mask, scores_shape, batch: int, rows: int, cols: i
 
 def _addable(value: float) -> bool:
     """Whether the kernel adds mask value `value` exactly as the chain does (see schedules/attention.py)."""
-    return value == -math.inf or (math.isfinite(value) and abs(value) <= -attention.MASK_FLOOR)
+    return value == -math.inf or (math.isfinite(value) and abs(value) <= -MASK_FLOOR)
 
 
 def _float_where(chain: Bindings, mask) -> relax.Call | None:
@@ -233,7 +234,7 @@ def _mask_values_addable(chain: Bindings, masks: _Masks, mask) -> bool:
     maybe cast to another float type."""
     values = masks.values(mask)
     if values is not None:
-        return bool(np.all(np.isneginf(values) | (np.isfinite(values) & (np.abs(values) <= -attention.MASK_FLOOR))))
+        return bool(np.all(np.isneginf(values) | (np.isfinite(values) & (np.abs(values) <= -MASK_FLOOR))))
     if _passes_through_float16(chain, mask):
         return True
     where = _float_where(chain, mask)
@@ -250,7 +251,7 @@ def _mask_operand(chain: Bindings, masks: _Masks, mask, mask_sum, logical: list[
     the mask are looked through."""
     if static_shape(mask) is None or not _mask_values_addable(chain, masks, mask):
         return None
-    for source, view, _ in reversed(_views_of(chain, mask, scaled=False, dtypes=attention.MASK_DTYPES)):
+    for source, view, _ in reversed(_views_of(chain, mask, scaled=False, dtypes=MASK_DTYPES)):
         view = view.broadcast(mask_sum)
         view = view and view.reshape(logical)
         if view is not None:
@@ -437,7 +438,7 @@ def _readable(views: list[tuple], transpose: bool = False) -> tuple | None:
     """The furthest-back (tensor, view, factor) that the kernel's 16-byte row copies can read (the
     view transposed in its last two axes first: k from k^T), or None."""
     views = [(x, view.permute([0, 2, 1]) if transpose else view, f) for x, view, f in views]
-    usable = [found for found in views if found[1].unit_stride_rows(-1, attention.COPY_ELEMS)]
+    usable = [found for found in views if found[1].unit_stride_rows(-1, COPY_ELEMS)]
     return usable[-1] if usable else None
 
 

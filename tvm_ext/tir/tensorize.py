@@ -16,9 +16,8 @@ from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 from tvm.s_tir.stmt import SBlock, SBlockRealize
 
-from tvm_ext.schedules.analysis import substitute
-from tvm_ext.schedules.contracts import TENSOR_CORE_DTYPES
-from tvm_ext.schedules.matmul import WARP, multiply_accumulate
+from tvm_ext.schedules.analysis import multiply_accumulate, substitute
+from tvm_ext.schedules.contracts import TENSOR_CORE_DTYPES, WARP
 
 from .intrinsics import import_tensor_intrinsics
 
