@@ -12,7 +12,7 @@ from functools import reduce
 import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
-from tvm.s_tir.dlight.analysis import SBlockInfo, normalize_prim_func
+from tvm.s_tir.dlight.analysis import IterInfo, SBlockInfo, normalize_prim_func
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
 
@@ -177,6 +177,19 @@ def _share_loops(sch: s_tir.Schedule, infos: list) -> bool:
     return True
 
 
+def _with_row_loop(sch: s_tir.Schedule, info: SBlockInfo) -> SBlockInfo:
+    """`info` of a block after the reductions of a single row, with the unit row loop that
+    normalization drops from element-wise work ([1, n] becomes [n]) put back in front, so the
+    block reads as element work ("SS"), not as n one-value rows."""
+    if not info.iters or all(const_int(d) == 1 for d in info.dom()):
+        return info  # the row's own scalar work (a mean, a norm's statistic): no axis of its own
+    index_map = tirx.IndexMap.from_func(lambda *axes: (tirx.const(0, str(axes[0].ty.dtype)), *axes), ndim=len(info.iters))
+    sch.transform_block_layout(info.block_rv, index_map)
+    loops = sch.get_loops(info.block_rv)
+    return SBlockInfo(info.name, [IterInfo("S", sch.get(loop).loop_var, sch.get(loop).extent, loop) for loop in loops],
+                      info.block_rv, info.is_reduction())
+
+
 def match(func: tirx.PrimFunc) -> ReducePattern | None:
     """Match `func` as a fused reduce subgraph, or return None (then another rule must serve it)."""
     sch = s_tir.Schedule(func)
@@ -203,6 +216,8 @@ def match(func: tirx.PrimFunc) -> ReducePattern | None:
     dom = head[0].dom()
     one_row = num_spatial == 1 and const_int(dom[0]) == 1  # a whole tensor reduced: its scalar work has no axis
     row_kinds = (row_kind, "") if one_row else (row_kind,)
+    if one_row:
+        tail = [_with_row_loop(sch, info) for info in tail]
     if any(not info.is_injective() or info.dom_kind() not in (*row_kinds, "S" * len(kind)) for info in tail):
         return None
     *row_outputs, epilogue = tail or [None]

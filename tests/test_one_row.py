@@ -1,0 +1,69 @@
+"""A single row (`[1, n]`, batch-1 decode): a norm or softmax is one launch over the row, one block
+or a grid-sync kernel of a few blocks, never a block per output element (normalization drops the
+unit row loop from the element-wise epilogue, which then read as n one-value rows)."""
+
+import numpy as np
+import pytest
+import tvm
+import tvm_ffi
+from tvm import tirx
+
+import tvm_ext
+from bench.suite import relax_module
+from conftest import CUDA_TARGET
+from helpers import assert_close, run_case
+
+SM_90A = {**CUDA_TARGET, "arch": "sm_90a"}
+OPS = ["rms_norm", "layer_norm", "softmax"]
+
+
+def grids(mod, target) -> dict:
+    """{kernel: blockIdx.x extent} of a CUDA build, read from the lowered kernels."""
+    found = {}
+
+    @tirx.transform.prim_func_pass(opt_level=0, name="RecordGrid")
+    def record(func, _mod, _ctx):
+        def visit(node):
+            if node.attr_key == "thread_extent" and node.node.thread_tag == "blockIdx.x":
+                found[str(func.attrs["global_symbol"])] = int(node.value)
+        tvm_ffi.structural_walk(func.body, (tirx.AttrStmt, visit), order="pre")
+        return func
+
+    tvm_ext.register_tir_pass(record, phase="late")
+    try:
+        kernels = tvm_ext.cuda_kernels(tvm_ext.build(mod, target))
+    finally:
+        tvm_ext.unregister_tir_pass(record)
+    return {name: blocks for name, blocks in found.items() if name in kernels}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("op", OPS)
+def test_a_single_row_is_one_block(op, dtype):
+    assert list(grids(relax_module(op, [1, 8192], dtype), SM_90A).values()) == [1]
+
+
+@pytest.mark.parametrize("op, width", [("rms_norm", 262144), ("softmax", 65536)])
+def test_a_single_long_row_is_one_grid_sync_kernel_of_a_few_blocks(op, width):
+    ((name, blocks),) = grids(relax_module(op, [1, width], "float32"), SM_90A).items()
+    assert 1 < blocks <= 132 * 2, (name, blocks)
+
+
+def test_more_rows_keep_a_block_per_row():
+    assert list(grids(relax_module("rms_norm", [4, 8192], "float16"), SM_90A).values()) == [4]
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_a_single_row_matches_numpy_on_llvm(op, rng):
+    executable = tvm_ext.build(relax_module(op, [1, 4096], "float32"), "llvm")
+    assert_close(*run_case(executable, tvm.cpu(), op, [1, 4096], "float32", rng), "float32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, width, dtype", [(op, 8192, dtype) for op in OPS for dtype in ("float16", "bfloat16")]
+                         + [("rms_norm", 262144, "float32"), ("softmax", 65536, "float32"),
+                            ("layer_norm", 131072, "float16")])
+def test_a_single_row_matches_numpy_on_gpu(op, width, dtype, rng):
+    executable = tvm_ext.build(relax_module(op, [1, width], dtype), "cuda")
+    for _ in range(2):  # a grid-sync kernel leaves its partials ready for the next call
+        assert_close(*run_case(executable, tvm.cuda(0), op, [1, width], dtype, rng), dtype)
