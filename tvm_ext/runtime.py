@@ -173,6 +173,26 @@ def _check_target(path: str, manifest: dict, dev: tvm.runtime.Device) -> None:
                                         f"compute capability {dev.compute_version}")
 
 
+def _load_device_runtime(dev: tvm.runtime.Device) -> None:
+    """Load the runtime library of `dev`'s kind (libtvm_runtime_cuda for a GPU), which TVM itself
+    loads only with its compiler: with TVM_USE_RUNTIME_LIB=1, no GPU would exist for this process.
+    Where it cannot load (no driver), the device stays missing and `load` says so."""
+    from tvm.base import _LOADED_LIBS  # noqa: PLC0415
+
+    name = f"tvm_runtime_{tvm.runtime.Device._DEVICE_TYPE_TO_NAME.get(dev.dlpack_device_type(), '')}"
+    if name in _LOADED_LIBS or name == "tvm_runtime_cpu" or not getattr(tvm.base, "_RUNTIME_ONLY", False):
+        return
+    from pathlib import Path  # noqa: PLC0415
+
+    from tvm_ffi.libinfo import load_lib_ctypes  # noqa: PLC0415
+
+    try:
+        _LOADED_LIBS[name] = load_lib_ctypes(package="tvm", target_name=name, mode="RTLD_LOCAL", extra_lib_paths=[
+            Path(_LOADED_LIBS["tvm_runtime"]._name).resolve().parent])
+    except (OSError, RuntimeError):  # not shipped, or no driver: the device stays missing
+        pass
+
+
 def load(path: str | os.PathLike, device=None) -> VirtualMachine:
     """Load a library written by `tvm_ext.export` onto `device`: a tvm Device, 'cpu' / 'llvm',
     'cuda' / 'cuda:N' / 'gpu', or the target it was built for (a dict or Target); by default the
@@ -192,6 +212,7 @@ def load(path: str | os.PathLike, device=None) -> VirtualMachine:
         _check_integrity(path, manifest)
     _check_elf(path)
     dev = parse_device(device if device is not None else (manifest or {}).get("device", "cpu"))
+    _load_device_runtime(dev)
     if not dev.exist:
         raise UnloadableExportError(f"cannot load exported model {path!r} on {dev}: no such device is visible")
     if manifest is None:
