@@ -288,7 +288,10 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
     def resolve(expr, block, row, k, vb, ve, own=None):
         """`expr` of `block` at (row, k): inputs renamed, the staged one read from shared memory,
         earlier reductions read from their totals, reduction `own`'s state from this block's part."""
-        elements = [iv.var for iv in block.iter_vars]
+        elements = [iv for iv in block.iter_vars]
+
+        def is_element(index, iv) -> bool:  # the block's own var, or 0 on a unit axis (a single row)
+            return index.same_as(iv.var) or (const_int(iv.dom.extent) == 1 and const_int(index) == 0)
 
         def load(e):
             if own is not None and (part := state_loads(e, "part", own, vb)) is not None:
@@ -296,7 +299,7 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule
             for i in range(len(chain)):
                 if (total := state_loads(e, "tot", i, vb)) is not None:
                     return total
-            at_element = len(e.indices) == len(elements) and all(i.same_as(v) for i, v in zip(e.indices, elements))
+            at_element = len(e.indices) == len(elements) and all(is_element(i, v) for i, v in zip(e.indices, elements))
             if staged and e.source.name == staged and at_element:
                 return tirx.BufferLoad(local["gs_x"], [ve])
             return e

@@ -2,7 +2,9 @@
 or a grid-sync kernel of a few blocks, never a block per output element (normalization drops the
 unit row loop from the element-wise epilogue, which then read as n one-value rows)."""
 
-import numpy as np
+import re
+import shutil
+
 import pytest
 import tvm
 import tvm_ffi
@@ -47,6 +49,23 @@ def test_a_single_row_is_one_block(op, dtype):
 def test_a_single_long_row_is_one_grid_sync_kernel_of_a_few_blocks(op, width):
     ((name, blocks),) = grids(relax_module(op, [1, width], "float32"), SM_90A).items()
     assert 1 < blocks <= 132 * 2, (name, blocks)
+
+
+@pytest.mark.parametrize("op, width, dtype", [("softmax", 65536, "float16"), ("rms_norm", 262144, "float32"),
+                                              ("rms_norm", 131072, "bfloat16")])
+def test_a_single_long_row_is_read_from_memory_once_and_compiles(op, width, dtype):
+    """The grid-sync kernel copies the block's chunk into shared memory with 16-byte vectors and every
+    pass reads it there (the one-row loads x[0, k] were not recognised as the staged input, and
+    the unread copy was compacted to a broadcast index that fp16's 8 lanes could not compile)."""
+    target = {"kind": "cuda", "arch": "sm_90"}
+    src = tvm_ext.cuda_source(tvm_ext.build(relax_module(op, [1, width], dtype), target))
+    assert len(re.findall(r"p0_ptr[ +\[]", src)) == 1
+    assert re.search(r"\*\((uint|float)4\*\)\(gs_x_ptr \+ \(\(\(int\)threadIdx\.x\) \* \d\)\) = \*\((uint|float)4\*\)\(p0_ptr", src)
+    if shutil.which("nvcc"):
+        from tvm.support import nvcc  # noqa: PLC0415
+
+        with tvm_ext.parse_target(target):
+            assert bytes(nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")[:4]) == b"\x7fELF"
 
 
 def test_more_rows_keep_a_block_per_row():
