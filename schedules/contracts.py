@@ -15,6 +15,7 @@ GATE_RUN = 8  # columns: a gated product's joint weight alternates runs of this 
 WARP = 32  # lanes of the matmul template's warp tile, the loop tir/tensorize.py matches
 WIDER = {"float16": "float32", "bfloat16": "float32", "int8": "int32"}  # input dtype -> accumulator dtype
 TENSOR_CORE_DTYPES = ("float16", "int8")  # operands TVM 0.27 has 16x16x16 WMMA intrinsics for (no bf16)
+WGMMA_TYPES = {"float16": "f16", "bfloat16": "bf16"}  # operands the wgmma template takes -> wgmma's name for them
 
 MASK_FLOOR = -1.0e29  # attention: finite mask values at or above this stay above the kernel's MASKED
 MASK_DTYPES = ("float16", "float32")  # attention: mask dtypes the kernel reads

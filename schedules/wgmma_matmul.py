@@ -18,12 +18,12 @@ from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 from tvm.script import tirx as T
 
 from . import matmul
-from .contracts import GATE_RUN, WIDE_TILE, WIDE_TILE_WAVES, gate_column
+from .contracts import GATE_RUN, WGMMA_TYPES, WIDE_TILE, WIDE_TILE_WAVES, gate_column
 from .analysis import multiply_accumulate, substitute
 
 NAME = "wgmma_matmul"
 ROWS = 64  # of one warpgroup's m64nNk16
-K_TILE = 64  # k per stage: one 128-byte swizzled row of fp16
+K_TILE = 64  # k per stage: one 128-byte swizzled row of 2-byte operands
 WARPGROUP = 128
 SWIZZLE_128B = 3  # the descriptor helper's code for 128-byte swizzling
 ATOM_BYTES = 1024  # 8 rows of 128 bytes: the swizzle pattern repeats at this stride
@@ -61,14 +61,14 @@ def _fit(func: tirx.PrimFunc):
     block = sch.get(block_rv)
     a, _ = multiply_accumulate(block.body)
     extents = [iv.dom.extent for iv in block.iter_vars]
-    if str(a.source.dtype) != "float16" or str(block.writes[0].source.dtype) != "float32" \
+    if str(a.source.dtype) not in WGMMA_TYPES or str(block.writes[0].source.dtype) != "float32" \
             or not all(isinstance(e, tirx.IntImm) for e in extents) or matmul.part_strides(block) != []:
         return None
     m, n, k = (int(e) for e in extents[-3:])
     if m < ROWS or n % 64 or k % K_TILE or not matmul.k_is_last(block)[0]:
         return None
     folded = _epilogue(sch, epilogue, block.writes[0].source, extents[:-1])
-    if folded is None or folded.gated and str(folded.out.dtype) != "float16":  # gated: staged in shared memory
+    if folded is None or folded.gated and str(folded.out.dtype) != str(a.source.dtype):  # gated: staged in shared memory
         return None
     return block, folded
 
@@ -387,7 +387,8 @@ def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k) -> tirx
         gate = r // 4 * 8 + r % 4
         return [acc[gate], acc[gate + 4]]
 
-    staged = str(out.dtype) == "float16"  # through shared memory: 16-byte stores, not 2-byte ones
+    operand = str(a_load.source.dtype)
+    staged = str(out.dtype) == operand  # through shared memory (of the operands' type): 16-byte stores, not 2-byte ones
     out_bn, out_n = (bn // 2, n // 2) if ep.gated else (bn, n)  # the output tile's and the output's columns
     row_stride = out_bn + OUTPUT_PAD
     def raster(tile):
@@ -401,7 +402,7 @@ def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k) -> tirx
     b_lbo = K_TILE * 128 // 16 if b_n_major else 1  # n-major: from one 64-column atom to the next
     b_step = 16 * 128 if b_n_major else 32  # bytes from one 16-wide step of k to the next
     trans_b = 1 if b_n_major else 0
-    mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.f16.f16"
+    mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{WGMMA_TYPES[operand]}.{WGMMA_TYPES[operand]}"
     grid_z = math.prod(batch)
 
     if tma:
@@ -444,7 +445,7 @@ def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k) -> tirx
         bx, by = T.meta_var(raster(tile))
         tx = T.launch_thread("threadIdx.x", threads)
         smem = T.alloc_buffer((stages * stage_elems + tma * stages * BARRIER_BYTES // 2,),  # fp16 elements: the barriers after the stages
-                              "float16", scope="shared.dyn", align=ATOM_BYTES)
+                              operand, scope="shared.dyn", align=ATOM_BYTES)
         acc = T.alloc_buffer((regs,), "float32", scope="local")
         desc_a = T.alloc_buffer((1,), "uint64", scope="local")
         desc_b = T.alloc_buffer((1,), "uint64", scope="local")
@@ -546,4 +547,4 @@ def _encode(tensor_map, load, view, box) -> list:
     box = [*box, 1][:rank]
     return [tirx.Bind(tensor_map, T.tvm_stack_alloca("tensormap", 1)),
             tirx.Evaluate(tirx.tensormap_encode_tiled(tensor_map, load.source.data, *dims, *strides, *box, *[1] * rank,
-                                                      descriptor_dtype="float16", rank=rank, swizzle=TMA_SWIZZLE_128B))]
+                                                      descriptor_dtype=str(load.source.dtype), rank=rank, swizzle=TMA_SWIZZLE_128B))]

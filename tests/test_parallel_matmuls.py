@@ -2,6 +2,7 @@
 numbers (run on the CPU) before and after. The layers are wide (32256 columns, 126 tiles of 256 each)
 so that two of them joined give the two waves of 128 x 256 tiles on 132 SMs that joining asks for."""
 
+import ml_dtypes  # noqa: F401  (numpy's "bfloat16")
 import numpy as np
 import pytest
 import tvm
@@ -24,12 +25,13 @@ def joined(mod, target=SM_90A) -> tvm.IRModule:
         return combine_parallel_linears(mod)
 
 
-def linears(weights=WEIGHTS, same_input=True, param_weight=False, matmul_reused=False) -> tvm.IRModule:
+def linears(weights=WEIGHTS, same_input=True, param_weight=False, matmul_reused=False, dtype="float16") -> tvm.IRModule:
     """sum of x @ W_i^T over the layers, each Linear spelled as the frontend writes it: its own
-    reshape of x to rows, matmul in float32 by the permuted weight, astype fp16."""
-    x = relax.Var("x", relax.TensorType([2, 8, 32], "float16"))
-    y = relax.Var("y", relax.TensorType([2, 8, 32], "float16"))
-    w_param = relax.Var("w", relax.TensorType(list(weights[-1].shape), "float16"))
+    reshape of x to rows, matmul in float32 by the permuted weight, astype fp16 (or `dtype`)."""
+    weights = [w.astype(dtype) for w in weights]
+    x = relax.Var("x", relax.TensorType([2, 8, 32], dtype))
+    y = relax.Var("y", relax.TensorType([2, 8, 32], dtype))
+    w_param = relax.Var("w", relax.TensorType(list(weights[-1].shape), dtype))
 
     def body(bb, x, y, w_param):
         outs = []
@@ -37,10 +39,10 @@ def linears(weights=WEIGHTS, same_input=True, param_weight=False, matmul_reused=
             rows = bb.emit(relax.op.reshape(x if same_input or i == 0 else y, [16, 32]))
             w = w_param if param_weight and i == len(weights) - 1 else relax.const(weight)
             mm = bb.emit(relax.op.matmul(rows, bb.emit(relax.op.permute_dims(w, [1, 0])), out_dtype="float32"))
-            out = bb.emit(relax.op.astype(mm, "float16"))
+            out = bb.emit(relax.op.astype(mm, dtype))
             outs.append(bb.emit(relax.op.sum(out, axis=[1])))
             if matmul_reused and i == 0:
-                outs.append(bb.emit(relax.op.astype(bb.emit(relax.op.sum(mm, axis=[1])), "float16")))
+                outs.append(bb.emit(relax.op.astype(bb.emit(relax.op.sum(mm, axis=[1])), dtype)))
         return relax.Tuple(outs)
 
     return main_module(body, [x, y, w_param])
@@ -64,6 +66,14 @@ def test_layers_sharing_an_input_become_one_matmul_with_the_weights_joined():
     x, y, w = (RNG.standard_normal(s).astype("float16") for s in ([2, 8, 32], [2, 8, 32], [64, 32]))
     for got, want in zip(run(after, x, y, w), run(mod, x, y, w)):
         np.testing.assert_allclose(got.astype("float32"), want.astype("float32"), rtol=2e-3, atol=2e-3)
+
+
+def test_bf16_layers_are_joined_in_bf16():
+    mod = linears(dtype="bfloat16")
+    after = joined(mod)
+    assert matmuls(after) == 1 and 'R.astype(lv' in after["main"].script() and '"float16"' not in after["main"].script()
+    (weight,) = [c.value.numpy() for c in _constants(after["main"]) if c.value.numpy().shape[0] == 2 * WIDE + 64]
+    assert str(weight.dtype) == "bfloat16"
 
 
 def test_the_callers_module_is_left_as_it_was():

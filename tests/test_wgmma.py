@@ -2,11 +2,14 @@
 numbers, alone and with the epilogue FuseOps puts after a matmul."""
 
 import math
+import shutil
 
+import ml_dtypes  # noqa: F401  (numpy's "bfloat16")
 import numpy as np
 import pytest
 import tvm
 from tvm import relax, te
+from tvm.support import nvcc
 from tvm.runtime.vm import VirtualMachine
 
 import tvm_ext
@@ -24,21 +27,21 @@ def cuda_source(func) -> str:
     return (lib.mod if hasattr(lib, "mod") else lib).imports[0].inspect_source()
 
 
-def linear_gelu(m, n, k):
-    """gelu(x @ W^T + bias) in fp16, W stored [n, k] as torch.nn.Linear keeps it."""
-    x, w = relax.Var("x", relax.TensorType([m, k], "float16")), relax.Var("w", relax.TensorType([n, k], "float16"))
-    bias = relax.Var("bias", relax.TensorType([n], "float16"))
+def linear_gelu(m, n, k, dtype="float16"):
+    """gelu(x @ W^T + bias) in fp16 (or `dtype`), W stored [n, k] as torch.nn.Linear keeps it."""
+    x, w = relax.Var("x", relax.TensorType([m, k], dtype)), relax.Var("w", relax.TensorType([n, k], dtype))
+    bias = relax.Var("bias", relax.TensorType([n], dtype))
 
     def body(bb, x, w, bias):
         y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w), out_dtype="float32"))
-        return relax.op.nn.gelu(relax.op.add(relax.op.astype(y, "float16"), bias))
+        return relax.op.nn.gelu(relax.op.add(relax.op.astype(y, dtype), bias))
 
     return main_module(body, [x, w, bias])
 
 
-def k_major(m, n, k):
+def k_major(m, n, k, dtype="float16"):
     """C = A @ W^T with W stored [n, k], as torch.nn.Linear keeps it."""
-    a, w = te.placeholder((m, k), "float16", name="a"), te.placeholder((n, k), "float16", name="w")
+    a, w = te.placeholder((m, k), dtype, name="a"), te.placeholder((n, k), dtype, name="w")
     r = te.reduce_axis((0, k), name="k")
     return te.create_prim_func([a, w, te.compute(
         (m, n), lambda i, j: te.sum(a[i, r].astype("float32") * w[j, r].astype("float32"), axis=r), name="c")])
@@ -48,7 +51,7 @@ def tiles(space) -> list:
     return list(dict.fromkeys((p["block_m"], p["block_n"]) for p in space))
 
 
-def test_the_template_takes_fp16_matmuls_of_whole_64_row_tiles():
+def test_the_template_takes_fp16_and_bf16_matmuls_of_whole_64_row_tiles():
     space = wgmma_matmul.knob_space(template_func(256, 512, 256))
     assert tiles(space) == [(128, 256), (128, 128), (64, 256), (64, 128), (64, 64)]
     assert [(p["stages"], p.get("tma", 0)) for p in space if (p["block_m"], p["block_n"]) == (64, 128)] == \
@@ -56,7 +59,7 @@ def test_the_template_takes_fp16_matmuls_of_whole_64_row_tiles():
     assert {p["stages"] for p in space if p.get("tma")} == {8, 7, 5, 4}  # 128 x 256 and 64 x 256 in 2 stages: not by TMA
     assert wgmma_matmul.knob_space(template_func(4096, 1000, 1024)) == []  # N not a multiple of 64
     assert wgmma_matmul.knob_space(template_func(16, 4096, 4096)) == []  # fewer rows than a warpgroup's 64
-    assert wgmma_matmul.knob_space(template_func(256, 512, 256, "bfloat16")) == []
+    assert wgmma_matmul.knob_space(template_func(256, 512, 256, "bfloat16")) == space
     assert wgmma_matmul.knob_space(template_func(256, 512, 256, "int8", "int32")) == []
     assert wgmma_matmul.apply(template_func(256, 512, 256), {"block_m": 128, "block_n": 256, "stages": 5}) is None  # 240 KB
 
@@ -143,6 +146,27 @@ def test_the_cuda_is_warpgroup_mma_from_swizzled_shared_memory(n_major):
     assert "__launch_bounds__(256)" in src  # two warpgroups for 128 rows
 
 
+@pytest.mark.parametrize("n_major", [True, False])
+def test_bf16_is_bf16_wgmma_from_bf16_shared_memory_and_tma_descriptors(n_major):
+    func = template_func(512, 4096, 4096, "bfloat16") if n_major else k_major(512, 4096, 4096, "bfloat16")
+    for knobs in ({"block_m": 128, "block_n": 256, "stages": 4, "group": 4, "tma": 1}, {"block_m": 128, "block_n": 128, "stages": 4}):
+        kernel = wgmma_matmul.apply(func, knobs).mod["main"]
+        script, src = kernel.script(), cuda_source(kernel)
+        assert script.count('descriptor_dtype="bfloat16"') == (2 if knobs.get("tma") else 0)
+        assert 'alloc_buffer((' in script and '"bfloat16", scope="shared.dyn"' in script
+        assert f"wgmma.mma_async.sync.aligned.m64n{knobs['block_n']}k16.f32.bf16.bf16" in src and ".f16.f16" not in src
+
+
+def test_a_bf16_linear_reads_its_weight_as_stored_on_wgmma_through_the_pipeline():
+    executable = tvm_ext.build(linear_gelu(512, 768, 768, "bfloat16"), SM_90A)
+    src = cuda_source_of(executable)
+    assert "wgmma.mma_async.sync.aligned.m64n" in src and "k16.f32.bf16.bf16" in src
+    assert any("matmul_nt" in name for name in tvm_ext.cuda_kernels(executable))  # W [n, k] read untransposed
+    if shutil.which("nvcc"):
+        with tvm_ext.parse_target(SM_90A):
+            assert bytes(nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")[:4]) == b"\x7fELF"
+
+
 def test_the_epilogue_is_computed_on_the_accumulators():
     mod = fused_module(linear_gelu(256, 512, 256), tvm.target.Target(SM_90A))
     (name, func), = [(gv.name_hint, f) for gv, f in mod.functions_items()
@@ -195,9 +219,9 @@ def test_tma_is_picked_for_tiles_alone_on_their_sm():
     assert (fc1["block_m"], fc1["block_n"], fc1.get("tma")) == (128, 128, None)
 
 
-def batched(batch, m, n, k):
+def batched(batch, m, n, k, dtype="float16"):
     """C[b] = A[b] @ B: a batch of A against one B (a linear layer on [batch, seq, hidden])."""
-    a, b = te.placeholder((batch, m, k), "float16", name="a"), te.placeholder((k, n), "float16", name="b")
+    a, b = te.placeholder((batch, m, k), dtype, name="a"), te.placeholder((k, n), dtype, name="b")
     r = te.reduce_axis((0, k), name="k")
     return te.create_prim_func([a, b, te.compute(
         (batch, m, n), lambda z, i, j: te.sum(a[z, i, r].astype("float32") * b[r, j].astype("float32"), axis=r), name="c")])
@@ -213,13 +237,13 @@ def test_a_batch_is_blockidx_z_and_the_tiles_walk_in_groups_of_rows():
 @pytest.mark.parametrize("shape", [(256, 512, 256), (128, 256, 64), (1024, 11008, 4096), (3, 512, 256, 128),
                                    (256, 2240, 128), ("k-major", 256, 640, 128), (200, 768, 768), (2, 100, 256, 128),
                                    ("k-major", 100, 640, 192)])
-def test_wgmma_matmul_on_gpu(shape, rng):
+def test_wgmma_matmul_on_gpu(shape, rng, dtype="float16"):
     *batch, m, n, k = shape
     weight_rows = batch == ["k-major"]
     batch = [] if weight_rows else batch
-    func = k_major(m, n, k) if weight_rows else batched(*shape) if batch else template_func(m, n, k)
-    a = rng.standard_normal((*batch, m, k)).astype("float16")
-    b = rng.standard_normal((k, n)).astype("float16")
+    func = k_major(m, n, k, dtype) if weight_rows else batched(*shape, dtype) if batch else template_func(m, n, k, dtype)
+    a = rng.standard_normal((*batch, m, k)).astype(dtype)
+    b = rng.standard_normal((k, n)).astype(dtype)
     want = a.astype("float64") @ b.astype("float64")
     b = np.ascontiguousarray(b.T) if weight_rows else b
     for knobs in wgmma_matmul.knob_space(func):
@@ -233,17 +257,25 @@ def test_wgmma_matmul_on_gpu(shape, rng):
 
 
 @pytest.mark.gpu
-def test_linear_gelu_through_the_pipeline_on_gpu(rng):
+@pytest.mark.parametrize("shape", [(256, 512, 256), ("k-major", 100, 640, 192), (2, 100, 256, 128)])
+def test_bf16_wgmma_matmul_on_gpu(shape, rng):
+    test_wgmma_matmul_on_gpu(shape, rng, "bfloat16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_linear_gelu_through_the_pipeline_on_gpu(dtype, rng):
     m, n, k = 512, 768, 768
-    x, w = rng.standard_normal((m, k)).astype("float16"), (rng.standard_normal((n, k)) / 16).astype("float16")
-    bias = rng.standard_normal(n).astype("float16")
-    executable = tvm_ext.build(linear_gelu(m, n, k), SM_90A)
+    x, w = rng.standard_normal((m, k)).astype(dtype), (rng.standard_normal((n, k)) / 16).astype(dtype)
+    bias = rng.standard_normal(n).astype(dtype)
+    executable = tvm_ext.build(linear_gelu(m, n, k, dtype), SM_90A)
     assert "wgmma.mma_async" in cuda_source_of(executable)
     dev = tvm.cuda()
     got = VirtualMachine(executable, dev)["main"](*[tvm.runtime.tensor(v, dev) for v in (x, w, bias)]).numpy()
-    y = (x.astype("float32") @ w.astype("float32").T).astype("float16").astype("float32") + bias.astype("float32")
+    y = (x.astype("float32") @ w.astype("float32").T).astype(dtype).astype("float32") + bias.astype("float32")
     want = 0.5 * y * (1 + np.vectorize(math.erf)(y / np.sqrt(2)))
-    np.testing.assert_allclose(got.astype("float32"), want, atol=2e-2, rtol=2e-2)
+    tolerance = 2e-2 if dtype == "float16" else 8e-2  # bf16's 8 mantissa bits: an ulp is 0.8% at 1
+    np.testing.assert_allclose(got.astype("float32"), want, atol=tolerance, rtol=tolerance)
 
 
 def test_on_sm_90a_the_tuner_searches_the_wgmma_points_and_records_of_the_other_template_give_way():

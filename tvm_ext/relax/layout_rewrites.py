@@ -13,6 +13,7 @@ from tvm import relax, te
 from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.target import Target
 
+from tvm_ext.schedules.contracts import WGMMA_TYPES
 from tvm_ext.schedules.device import device_of
 
 from .bindings import op_name, shape_of, static_shape
@@ -73,10 +74,10 @@ class _ReadTransposedOperand(PyExprMutator):
 
 
 def _wgmma_sized(call) -> bool:
-    """Whether a 2-D matmul is one the wgmma template takes whole: fp16 into float32, static sizes,
+    """Whether a 2-D matmul is one the wgmma template takes whole: fp16 or bf16 into float32, static sizes,
     K and N of whole 64-element tiles, more rows than split-K's few (those keep TVM's legalization)."""
     sa, sb = static_shape(call.args[0]), static_shape(call.args[1])
-    return sa is not None and sb is not None and len(sa) == len(sb) == 2 and str(call.args[0].ty.dtype) == "float16" \
+    return sa is not None and sb is not None and len(sa) == len(sb) == 2 and str(call.args[0].ty.dtype) in WGMMA_TYPES \
         and str(call.attrs.out_dtype) == "float32" and sa[0] > MAX_ROWS and sa[1] % 64 == 0 and sb[1] % 64 == 0
 
 

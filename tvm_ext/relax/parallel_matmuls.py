@@ -15,7 +15,7 @@ from tvm import relax
 from tvm.ir.expr import GenericConst  # relax constants in 0.27
 from tvm.target import Target
 
-from tvm_ext.schedules.contracts import WIDE_TILE, WIDE_TILE_WAVES
+from tvm_ext.schedules.contracts import WGMMA_TYPES, WIDE_TILE, WIDE_TILE_WAVES
 from tvm_ext.schedules.device import device_of
 
 from . import gated_linears
@@ -37,20 +37,22 @@ def _weight(value, chain: Bindings) -> np.ndarray | None:
 
 
 def _linears(func: relax.Function) -> dict:
-    """{input key: [(astype var, matmul var, weight)]} of func's `astype(matmul(x, W^T), f16)`
-    bindings with fp16 static inputs, the matmul used only by its astype; the key is x, or
-    (x, shape) for a reshape of x, so the frontend's per-layer reshapes of one input group together."""
+    """{input key: [(astype var, matmul var, weight)]} of func's `astype(matmul(x, W^T), t)`
+    bindings with static inputs of one wgmma operand type t (fp16, bf16), the matmul used only by
+    its astype; the key is x, or (x, shape) for a reshape of x, so the frontend's per-layer
+    reshapes of one input group together."""
     chain = Bindings(func)
     groups: dict = {}
     for var, cast in chain.value.items():
-        if op_name(cast) != "relax.astype" or str(cast.ty.dtype) != "float16" or not isinstance(cast.args[0], relax.Var):
+        dtype = str(cast.ty.dtype) if op_name(cast) == "relax.astype" else None
+        if dtype not in WGMMA_TYPES or not isinstance(cast.args[0], relax.Var):
             continue
         mm = chain.producer(cast.args[0])
-        if op_name(mm) != "relax.matmul" or not chain.only_use(cast.args[0]) or str(mm.args[0].ty.dtype) != "float16":
+        if op_name(mm) != "relax.matmul" or not chain.only_use(cast.args[0]) or str(mm.args[0].ty.dtype) != dtype:
             continue
         weight, lhs = _weight(mm.args[1], chain), mm.args[0]
         shape = static_shape(lhs)
-        if weight is None or str(weight.dtype) != "float16" or shape is None or len(shape) != 2 \
+        if weight is None or str(weight.dtype) != dtype or shape is None or len(shape) != 2 \
                 or weight.shape[1] != shape[1]:
             continue
         source = chain.producer(lhs)
@@ -83,7 +85,7 @@ class _Combiner(relax.PyExprMutator):
             weight = gated_linears.interleaved(weights) if paired else np.concatenate(weights)
             joint = self.builder_.emit(relax.op.astype(self.builder_.emit(relax.op.matmul(
                 lhs, self.builder_.emit(relax.op.permute_dims(relax.const(weight), [1, 0])), out_dtype="float32")),
-                "float16"))
+                str(weight.dtype)))
             rows, offset = shape_of(joint)[0], 0
             for half, (cast_var, _, w) in enumerate(group):
                 self.views[cast_var] = gated_linears.half_view(joint, half, rows, w.shape[0]) if paired else \
