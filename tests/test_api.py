@@ -166,24 +166,38 @@ def test_tir_pass_hook_sees_scheduled_functions_and_device_kernels():
         tvm_ext.register_tir_pass(recorder("early"), phase="middle")
 
 
-def test_refused_function_falls_back_with_a_warning_and_stays_correct(rng):
-    # LayerNorm over every axis is a full reduction with an element-wise epilogue: no template fits.
-    shape = [6, 50]
+def _one_op(op, shape):
     bb = relax.BlockBuilder()
     x, g, b = (relax.Var(n, relax.TensorType(shape, "float32")) for n in "xgb")
     with bb.function("main", [x, g, b]):
         with bb.dataflow():
-            out = bb.emit_output(relax.op.nn.layer_norm(x, g, b, axes=[0, 1], epsilon=1e-5))
+            out = bb.emit_output(op(x, g, b))
         bb.emit_func_output(out)
-    mod = bb.get()
-    built = {}
-    for target in ("llvm", "cuda"):
-        with pytest.warns(UserWarning, match=r"tvm_ext: layer_norm: no tvm_ext schedule matches it; falling back"):
-            built[target] = tvm_ext.build(mod, CUDA_TARGET if target == "cuda" else target)
-    xs, gs, bs = (rng.standard_normal(shape).astype("float32") for _ in range(3))
+    return bb.get()
+
+
+def test_refused_function_falls_back_with_a_warning_and_stays_correct(rng):
+    # a softmax down the columns: column_reduce takes no element-wise epilogue, the row templates no columns
+    mod = _one_op(lambda x, g, b: relax.op.nn.softmax(x, axis=0), [6, 50])
+    with pytest.warns(UserWarning, match=r"tvm_ext: softmax: no tvm_ext schedule matches it; falling back"):
+        built = tvm_ext.build(mod, CUDA_TARGET)
+    assert len(tvm_ext.cuda_kernels(built)) >= 1  # TVM's dlight rules built it
+    xs = rng.standard_normal([6, 50]).astype("float32")
+    out = VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())["main"](*map(tvm.runtime.tensor, (xs, xs, xs)))
+    e = np.exp(xs - xs.max(0))
+    np.testing.assert_allclose(out.numpy(), e / e.sum(0), rtol=1e-5, atol=1e-6)
+
+
+def test_a_layer_norm_over_every_axis_is_one_row_of_ours(rng):
+    """A full reduction with element-wise work after it is a single row: served, not refused."""
+    mod = _one_op(lambda x, g, b: relax.op.nn.layer_norm(x, g, b, axes=[0, 1], epsilon=1e-5), [6, 50])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        built = {"llvm": tvm_ext.build(mod, "llvm"), "cuda": tvm_ext.build(mod, CUDA_TARGET)}
+    assert tvm_ext.cuda_kernels(built["cuda"]) == ["layer_norm_kernel"]
+    xs, gs, bs = (rng.standard_normal([6, 50]).astype("float32") for _ in range(3))
     out = VirtualMachine(built["llvm"], tvm.cpu())["main"](*map(tvm.runtime.tensor, (xs, gs, bs)))
     np.testing.assert_allclose(out.numpy(), (xs - xs.mean()) / np.sqrt(xs.var() + 1e-5) * gs + bs, rtol=1e-4, atol=1e-5)
-    assert len(tvm_ext.cuda_kernels(built["cuda"])) >= 1  # TVM's dlight rules built it
 
 
 def test_matmuls_are_left_to_tvm_without_a_warning():
