@@ -114,14 +114,16 @@ def tiling_knobs(block_m: int, warp_m: int, thread_n: int, warp_n: int, block_k:
 
 def tensor_core_matmul(func: tirx.PrimFunc):
     """The matmul block of `func` when the template and the tensor cores can take it (static sizes,
-    fp16/int8 operands), else None."""
+    fp16/int8 operands, more than one row: a single row is a GEMV, memory-bound, which dlight's GEMV
+    rule reads at bandwidth and 16-row tensor-core tiles would not), else None."""
     found = contraction(func)
     if found is None:
         return None
     block = found[0].get(found[1])
     if str(multiply_accumulate(block.body)[0].source.dtype) not in TENSOR_CORE_DTYPES:
         return None
-    return block if all(isinstance(iv.dom.extent, tirx.IntImm) for iv in block.iter_vars) else None
+    extents = [iv.dom.extent for iv in block.iter_vars]
+    return block if all(isinstance(e, tirx.IntImm) for e in extents) and int(extents[-3]) > 1 else None
 
 
 def knob_space(func: tirx.PrimFunc) -> list[dict]:

@@ -1,7 +1,8 @@
 """Relax rewrites before legalization that leave FuseOps and the templates better work.
 
 `q @ k^T` reads k as stored (else the transpose lands in k's producer, whose writes then stride);
-on sm_90a `x @ W.T` reads W as stored, [n, k], when the wgmma template takes the matmul; and an
+on sm_90a `x @ W.T` reads W as stored, [n, k], when the wgmma template takes the matmul, and on any
+GPU when x is a single row (a GEMV: each output reads one contiguous row of W); and an
 activation or residual add after a reshape moves before it, into the matmul's epilogue (FuseOps
 stops at reshapes). Measured: see docs/design.md#warpgroup-matmuls-wgmma."""
 
@@ -32,16 +33,16 @@ def matmul_nt_te(a: te.Tensor, b: te.Tensor, out_dtype: str) -> te.Tensor:
 
 @mutator
 class _ReadTransposedOperand(PyExprMutator):
-    def __init__(self, mod, weights_as_stored: bool = False):
+    def __init__(self, mod, wgmma: bool = False, gpu: bool = False):
         super().__init__(mod)
-        self.weights_as_stored = weights_as_stored
+        self.wgmma, self.gpu = wgmma, gpu
 
     def visit_call_(self, call):
         call = self.visit_expr_post_order(call)
         if op_name(call) != "relax.matmul":
             return call
         batched = len(shape_of(call.args[0]) or []) >= 3
-        if not batched and not (self.weights_as_stored and _wgmma_sized(call)):
+        if not batched and not (self.wgmma and _wgmma_sized(call) or self.gpu and _single_row(call)):
             return call
         source = self._untransposed(call.args[1])
         if source is None:
@@ -81,13 +82,20 @@ def _wgmma_sized(call) -> bool:
         and str(call.attrs.out_dtype) == "float32" and sa[0] > MAX_ROWS and sa[1] % 64 == 0 and sb[1] % 64 == 0
 
 
+def _single_row(call) -> bool:
+    """Whether a 2-D matmul is a GEMV: one row of x, static sizes (dlight's GEMV rule then reads
+    the weight as stored at bandwidth; a transposed weight is read down its columns)."""
+    sa, sb = static_shape(call.args[0]), static_shape(call.args[1])
+    return sa is not None and sb is not None and len(sa) == len(sb) == 2 and sa[0] == 1
+
+
 @tvm.transform.module_pass(opt_level=0, name="TVMExtReadTransposedOperand")
 def read_transposed_operand(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     """Matmuls by a transposed batched operand read it untransposed; on wgmma targets, so do the
     2-D ones by a transposed [n, k] weight (see the module docstring); the transposes left unused go."""
     target = Target.current()
-    as_stored = target is not None and device_of(target).wgmma
-    return _rewrite(mod, lambda m: _ReadTransposedOperand(m, as_stored), lambda f: as_stored or _has_batched_matmul(f))
+    wgmma, gpu = (device_of(target).wgmma, device_of(target).is_gpu) if target is not None else (False, False)
+    return _rewrite(mod, lambda m: _ReadTransposedOperand(m, wgmma, gpu), lambda f: gpu or _has_batched_matmul(f))
 
 
 def _rewrite(mod: tvm.IRModule, make_rewriter, wanted) -> tvm.IRModule:
