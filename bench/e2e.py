@@ -42,7 +42,8 @@ from tvm_ext.search.check import task_bytes
 from tvm_ext.search.tasks import extract_tasks
 
 REPEATS = 5  # profiled calls per model
-DEVICE_TIMED = ("ours_serial_launch", "torch_compile")  # device time as well as wall time (serial: kernels' own spans)
+DEVICE_TIMED = ("ours_serial_launch", "torch_compile", "torch_compile_graphs")  # device time as well as wall time
+# (serial: kernels' own spans)
 
 
 def kernel_breakdown(fn, mod, target, args) -> list[dict]:
@@ -111,18 +112,22 @@ def run_module(name: str, module, inputs: tuple, database: str | None, log, brea
         # TVM's default on the plain arch: on sm_90a its dlight rules leave the tensor cores out
         plain = without_arch_specific(target)
         impls, built, result = {"torch_eager": module}, {}, {"model": name, "shape": list(x.shape),
-                                                             "dtype": str(x.dtype), "impls": {}}
+                                                             "dtype": str(x.dtype), "impls": {},
+                                                             "weight_bytes": sum(p.numel() * p.element_size()
+                                                                                 for p in module.parameters())}
         ours = {"ours": lambda: tvm_ext.build(mod, target, database=database)}
         ours["ours_serial_launch"] = lambda: build_serial_launch(mod, target, database=database)
         if str(plain.attrs["arch"]) != str(target.attrs["arch"]):  # the same pipeline without the arch-specific (wgmma) matmuls
             ours["ours_mma_sync"] = lambda: tvm_ext.build(mod, plain, database=database)
         for impl, build in {**ours,
                             "tvm_default": lambda: tvm.compile(with_full_legalized(mod), target=plain),
-                            "torch_compile": lambda: torch.compile(module, dynamic=False)}.items():
+                            "torch_compile": lambda: torch.compile(module, dynamic=False),
+                            "torch_compile_graphs": lambda: torch.compile(module, mode="reduce-overhead", dynamic=False)
+                            }.items():
             started = time.perf_counter()
             try:
                 built[impl] = build()
-                impls[impl] = built[impl] if impl == "torch_compile" else tvm_callable(built[impl])
+                impls[impl] = built[impl] if impl.startswith("torch_compile") else tvm_callable(built[impl])
             except Exception as err:  # one failing implementation must not sink the table
                 result["impls"][impl] = {"error": str(err).splitlines()[0][:300]}
             result.setdefault("build_s", {})[impl] = round(time.perf_counter() - started, 1)
@@ -165,9 +170,10 @@ def run_dynamic(lengths: list[int], database: str | None, log) -> dict:
 
 def markdown(results: list[dict]) -> str:
     lines = ["| model | ours us | ours, serial launch us | ours, mma.sync matmuls us | TVM default us | torch eager us | "
-             "torch.compile us | device us: ours / torch.compile | vs torch.compile | vs torch.compile, device | "
-             "vs TVM default | kernels ours/TVM | ours err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "torch.compile us | torch.compile, CUDA graphs us | device us: ours / torch.compile / graphs | "
+             "vs torch.compile | vs torch.compile, device | vs CUDA graphs | vs CUDA graphs, device | weights GB/s, "
+             "ours device | vs TVM default | kernels ours/TVM | ours err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in results if "impls" in r):
         impls = r["impls"]
         us = {k: v.get("us") for k, v in impls.items()}
@@ -177,10 +183,14 @@ def markdown(results: list[dict]) -> str:
         kernels = f"{impls.get('ours', {}).get('kernels', '-')}/{impls.get('tvm_default', {}).get('kernels', '-')}"
         err = impls.get("ours", {}).get("max_abs_err")
         times = " | ".join(cell(k) for k in ("ours", "ours_serial_launch", "ours_mma_sync", "tvm_default", "torch_eager",
-                                             "torch_compile"))
+                                             "torch_compile", "torch_compile_graphs"))
         device_cells = "/".join("-" if v is None else f"{v:.1f}" for v in device.values())
+        ours_device = device["ours_serial_launch"]
+        weights = f"{r['weight_bytes'] / ours_device / 1e3:.0f}" if r.get("weight_bytes") and ours_device else "-"
         lines.append(f"| {r['model']} | {times} | {device_cells} | {ratio(us.get('torch_compile'), us.get('ours'))} | "
-                     f"{ratio(device['torch_compile'], device['ours_serial_launch'])} | "
+                     f"{ratio(device['torch_compile'], ours_device)} | "
+                     f"{ratio(us.get('torch_compile_graphs'), us.get('ours'))} | "
+                     f"{ratio(device['torch_compile_graphs'], ours_device)} | {weights} | "
                      f"{ratio(us.get('tvm_default'), us.get('ours'))} | {kernels} | {'-' if err is None else f'{err:.3g}'} |")
     for r in (r for r in results if "breakdown" in r):
         lines += ["", f"Our kernels in {r['model']} (torch.profiler on the serial-launch build, most time first; GB/s for "
@@ -204,6 +214,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     results = []
     for name in args.models.split(","):
+        torch._dynamo.reset()  # each model's torch.compile starts fresh: past the recompile limit it would run eager
         results.append(run_model(name, args.database, print))
         save(args.out, results)
     if args.dynamic_seq:
