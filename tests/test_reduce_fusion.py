@@ -28,7 +28,7 @@ def kernels(executable) -> list:
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
-@pytest.mark.parametrize("shape", [[256, 1024], ["n", 4096]])
+@pytest.mark.parametrize("shape", [[256, 1024], ["n", 4096], [1, 4096]])  # [1, n]: one row, a decoding step
 def test_one_kernel_per_spelled_out_pattern(name, shape, capsys):
     mod = spelled.module(name, shape, "float16")
     with warnings.catch_warnings():

@@ -2,8 +2,8 @@
 
 Runs between FuseOps and FuseTIR and merges groups around reductions of one row signature with
 their elementwise/broadcast producers and consumers, which TVM's FuseOps never fuses with a
-reduction. Stops at matmuls, layout changes and paths leaving the group; a reduction to one value
-keeps per-element work after it apart. See docs/design.md#fusion-around-reductions."""
+reduction. Stops at matmuls, layout changes and paths leaving the group; a reduction of a whole
+tensor (several long axes) to one value keeps per-element work after it apart. See docs/design.md#fusion-around-reductions."""
 
 from __future__ import annotations
 
@@ -138,8 +138,12 @@ def _moves_innermost(func: tirx.PrimFunc) -> bool:
 
 
 def _is_whole(signature) -> bool:
-    """Whether the reductions leave one value (T5's `isinf(x).any()` before its clamp)."""
-    return signature[1] is not None and all(const_int(d) == 1 for d in signature[1])
+    """Whether the reductions leave one value of a tensor with several long axes (T5's
+    `isinf(x).any()` before its clamp); a single row ([1, ..., n]: a decoding step's norm) is a
+    row like any other, and the templates serve it with the work after it."""
+    if signature[1] is None or not all(const_int(d) == 1 for d in signature[1]):
+        return False
+    return sum(const_int(d) != 1 for d in signature[0]) > 1
 
 
 class _Groups:
