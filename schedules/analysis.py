@@ -122,13 +122,13 @@ def _reduction_blocks(func: tirx.PrimFunc) -> list:
 def _is_contraction(block) -> bool:
     """Two different buffers both indexed by a reduce var: a matmul/GEMV, not a norm or a sum."""
     reduce_vars = [iv.var for iv in block.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
-    indexed = set()
+    indexed = []  # buffers, told apart by identity: two may share a name (Relax values both called `lv`)
     for region in block.reads:
         used = []
         for rng in region.region:
             tvm_ffi.structural_walk(rng.min, (tirx.Var, used.append), order="post")
-        if any(any(r.same_as(u) for u in used) for r in reduce_vars):
-            indexed.add(region.source.name)
+        if any(any(r.same_as(u) for u in used) for r in reduce_vars) and not any(region.source.same_as(b) for b in indexed):
+            indexed.append(region.source)
     return len(indexed) >= 2
 
 

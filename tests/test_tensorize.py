@@ -511,3 +511,15 @@ def test_k_padded_matmul_is_right_on_the_gpu(rng):
     out = VirtualMachine(tvm_ext.build(matmul_cast(128, 688, 256), "cuda"), dev)["main"](
         tvm.runtime.tensor(x, dev), tvm.runtime.tensor(w, dev)).numpy()
     np.testing.assert_allclose(out.astype("float32"), x.astype("float32") @ w.astype("float32"), rtol=1e-2, atol=1e-2)
+
+
+def test_operands_that_share_a_name_keep_the_tensor_cores():
+    """Two Relax values of one name (`lv`, as a legalization's own bindings may be called) give a
+    matmul whose operand buffers share it: it was read as a row reduction (buffers told apart by
+    name) and, scheduled as a matmul, its copies were blocks of one name the tensorizer could not find."""
+    a, b = relax.Var("lv", relax.TensorType([256, 512], "float16")), relax.Var("lv", relax.TensorType([512, 512], "float16"))
+    mod = main_module(lambda bb, a, b: relax.op.astype(relax.op.matmul(a, b, out_dtype="float32"), "float16"), [a, b])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to TVM's default
+        src = tvm_ext.cuda_source(tvm_ext.build(mod, {**CUDA_TARGET, "arch": "sm_80"}))
+    assert "mma_sync" in src

@@ -278,8 +278,25 @@ def _tile(sch, block):
     return row_in
 
 
+def _unique_block_names(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`func` with every block named once: the steps find blocks by name, and a template's copies of
+    two operands that share a name (two Relax values both called `lv`) are blocks of one name."""
+    seen: dict = {}
+
+    def rename(block):
+        count = seen[block.name_hint] = seen.get(block.name_hint, 0) + 1
+        if count == 1:
+            return block
+        return SBlock(block.iter_vars, block.reads, block.writes, f"{block.name_hint}_{count - 1}", block.body,
+                      block.init, block.alloc_buffers, block.match_buffers, block.annotations)
+
+    body = tvm_ffi.structural_map(func.body, (SBlock, rename))
+    return func.with_body(body) if max(seen.values(), default=1) > 1 else func
+
+
 def auto_tensorize(func: tirx.PrimFunc, name: str = "main") -> tirx.PrimFunc:
     """The five steps; `func` unchanged when step 1 finds no warp-level mma."""
+    func = _unique_block_names(func)
     match = match_mma(func, name)
     if match is None:
         return func
