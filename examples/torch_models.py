@@ -113,6 +113,7 @@ class ResNetBlock(nn.Module):
 # name -> (constructor, input shape, dtype)
 CONFIGS = {
     "llama-seq1": (LlamaLayer, (1, 1, 4096), torch.float16),  # one decoding step's token (no KV cache)
+    "llama-seq4": (LlamaLayer, (1, 4, 4096), torch.float16),  # a small batch's step
     "llama-seq16": (LlamaLayer, (1, 16, 4096), torch.float16),
     "llama-seq512": (LlamaLayer, (1, 512, 4096), torch.float16),
     "llama-seq2048": (LlamaLayer, (1, 2048, 4096), torch.float16),

@@ -1,6 +1,7 @@
-"""A single-row matmul (a decoding step's Linear) is a GEMV: on a GPU it reads the weight as stored,
-[n, k], and dlight's GEMV rule builds it (warp reductions along k, the weight read once at
-bandwidth), not 16-row tensor-core tiles over a transposed weight (6x slower)."""
+"""Decoding steps' matmuls. A single row is a GEMV: on a GPU it reads the weight as stored, [n, k],
+and dlight's GEMV rule builds it (warp reductions along k, the weight read once at bandwidth), not
+16-row tensor-core tiles over a transposed weight (6x slower). A few rows (2 to 15) are padded to
+one 16-row tile and split along k, as 16 rows are."""
 
 import re
 
@@ -44,12 +45,21 @@ def test_more_rows_keep_the_tensor_cores():
     assert re.search(r"mma|wmma", src)
 
 
+@pytest.mark.parametrize("rows", [2, 7, 15])
+def test_a_few_rows_are_padded_to_a_tile_and_split_along_k(rows):
+    executable = tvm_ext.build(linear(rows, 4096, 4096, "float16")[0], {**CUDA_TARGET, "arch": "sm_90a"})
+    kernels = tvm_ext.cuda_kernels(executable)
+    assert any("split_k_pad" in k for k in kernels) and any(k.startswith("matmul_split_k") for k in kernels), kernels
+    assert re.search(r"mma|wmma", tvm_ext.cuda_source(executable))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("n, k", [(4096, 4096), (1000, 768), (11008, 4096)])
-def test_a_single_row_linear_matches_numpy_on_gpu(n, k, dtype, rng):
-    mod, weight, bias = linear(1, n, k, dtype)
-    x = rng.standard_normal((1, k)).astype(dtype)
+@pytest.mark.parametrize("rows, n, k", [(1, 4096, 4096), (1, 1000, 768), (1, 11008, 4096), (2, 4096, 4096),
+                                        (7, 4096, 11008), (15, 1024, 4096)])
+def test_a_decoding_linear_matches_numpy_on_gpu(rows, n, k, dtype, rng):
+    mod, weight, bias = linear(rows, n, k, dtype)
+    x = rng.standard_normal((rows, k)).astype(dtype)
     got = VirtualMachine(tvm_ext.build(mod, "cuda"), tvm.cuda())["main"](tvm.runtime.tensor(x, tvm.cuda())).numpy()
     want = x.astype("float32") @ weight.astype("float32").T + bias.astype("float32")
     tolerance = 1e-2 if dtype == "float16" else 6e-2
