@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="candidates measured per round")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminated)  # what timeout, Slurm and Kubernetes send: stop as on Ctrl-C
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C stops it even where it started with SIGINT
+    # ignored (a background job of a script: Python then leaves it ignored)
     try:
         target = measuring_target(args.target)
         check_log(args.log, args.resume)  # before the model loads: a log that cannot take records stops here
