@@ -15,6 +15,7 @@ from tvm_ext.schedules import matmul
 from tvm_ext.schedules.contracts import TENSOR_CORE_DTYPES, WIDER
 
 from .bindings import shape_of
+from .reduce_fusion import OPAQUE
 
 SMALLEST_TILE = (16, 64)  # rows x columns of the matmul template's one-warp tile
 K_TILE = 64  # k per step of the few-row tilings: a part must hold whole steps
@@ -24,7 +25,6 @@ WAVES = 1.5
 MIN_K_PER_PART = 512
 MAX_ROWS = 64  # a decoding step's or a small batch's rows
 MAX_PARTS = 16
-OPAQUE = 8  # relax's OpPatternKind kOpaque
 
 
 def parts(m: int, n: int, k: int, sm_count: int) -> int:
@@ -77,9 +77,11 @@ def legalization(sm_count: int):
             a = _opaque(bb, bb.emit(bb.call_te(topi.nn.pad, a, [0, 0], [rows - sa[0], 0], primfunc_name_hint="split_k_pad"),
                                     name_hint="split_k_rows"))
         products = bb.emit_te(partial_products, a, b, count, out, primfunc_name_hint="matmul_split_k")
-        if rows == sa[0]:
-            return bb.call_te(lambda x: topi.sum(x, axis=0), products, primfunc_name_hint="split_k_sum")
-        return bb.call_te(lambda x: topi.strided_slice(topi.sum(x, axis=0), [0, 0], [sa[0], sb[1]]), products,
-                          primfunc_name_hint="split_k_sum")
+
+        def total(partial: te.Tensor) -> te.Tensor:  # the padded rows dropped
+            summed = topi.sum(partial, axis=0)
+            return summed if rows == sa[0] else topi.strided_slice(summed, [0, 0], [sa[0], sb[1]])
+
+        return bb.call_te(total, products, primfunc_name_hint="split_k_sum")
 
     return legalize
