@@ -27,12 +27,18 @@ NO_OPT_IN_SMEM = 48 * 1024
 STATIC_SMEM_LIMIT = NO_OPT_IN_SMEM - 1024
 
 
+HALF_TYPES = ("float16", "bfloat16")
+HALF_LANES = 8  # TVM's CUDA code generator has no type for a vector of more halves ("float16x16")
+
+
 def vector_lanes(pattern: ReducePattern) -> int:
     """Widest vector (up to 16 bytes) that divides the row, so vector accesses need no tail."""
     n = const_int(pattern.reduce_extent)
     if n is None:
         return 1
     lanes = max(1, 16 // min((pattern.dtype_bytes(b) for b in pattern.input_buffers()), default=4))
+    if any(str(p.ty.dtype) in HALF_TYPES for p in pattern.sch.mod["main"].params if hasattr(p, "ty")):
+        lanes = min(lanes, HALF_LANES)  # a 1-byte input (a bool mask) beside a half tensor
     while lanes > 1 and n % lanes:
         lanes //= 2
     return lanes

@@ -7,6 +7,8 @@ tensor (several long axes) to one value keeps per-element work after it apart. S
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 import tvm
@@ -49,6 +51,18 @@ def _type_shape(ty) -> tuple | None:
 def _same(a, b) -> bool:
     return a is not None and b is not None and len(a) == len(b) and all(
         tvm_ffi.structural_equal(x, y) for x, y in zip(a, b))
+
+
+def _rows_regrouped(shape, rows) -> bool:
+    """Whether `shape` is `rows` with only its leading axes merged or split (the same rows of the
+    same innermost axis: a norm's output reshaped to [tokens, hidden] for the next Linear)."""
+    if shape is None or rows is None or not shape or not rows or not tvm_ffi.structural_equal(shape[-1], rows[-1]):
+        return False
+    return tvm.sym.Analyzer().can_prove_equal(_product(shape[:-1]), _product(rows[:-1]))
+
+
+def _product(dims):
+    return functools.reduce(lambda a, b: a * b, dims, tirx.IntImm("int64", 1))
 
 
 def _same_signature(a, b) -> bool:
@@ -164,16 +178,18 @@ class _Groups:
 
     def _fits(self, signature, members) -> bool:
         rows, reduced = signature
-        return all(n.signature is not None or _same(n.out_shape, rows) or _same(n.out_shape, reduced) for n in members)
+        return all(n.signature is not None or _same(n.out_shape, rows) or _same(n.out_shape, reduced)
+                   or _rows_regrouped(n.out_shape, rows) for n in members)
 
     def _shares_layout_change(self, members: list) -> bool:
-        """Whether a layout-changing member's value is also read outside the group: the merged
-        function would then write it as an extra output, which the row templates do not match
-        (the residual sum before a LLaMA RMSNorm). Private to the group (a mask and scale before
-        a softmax), the change is only index arithmetic in the fused kernel."""
+        """Whether a layout-changing member's value is read outside the group beside another
+        member's: the merged function would then write it as an extra output, which the row
+        templates do not match (the residual sum before a LLaMA RMSNorm). Private to the group (a
+        mask and scale before a softmax), the change is only index arithmetic in the fused kernel;
+        the group's only output (a norm's rows regrouped for the next Linear) is its result."""
         inside = {n.index for n in members}
-        return any(m.injective and any(m.index in n.inputs for n in self.nodes if n.index not in inside)
-                   for m in members)
+        read_outside = [m for m in members if any(m.index in n.inputs for n in self.nodes if n.index not in inside)]
+        return len(read_outside) > 1 and any(m.injective for m in read_outside)
 
     def _detour(self, a: int, b: int) -> bool:
         """Whether some path from group a to group b (or back) passes outside both."""
