@@ -14,7 +14,8 @@ dependent launch (tvm_ext/tir/dependent_launch.py): each kernel waits for the on
 retire. Outputs are checked against eager. Per kernel of ours (torch.profiler, on the serial-launch
 build: with dependent launch a kernel's span includes its wait for the one before): time and, for
 the fused reduce kernels, GB/s. --dynamic-seq builds the LLaMA layer once
-with a symbolic sequence length and runs it at each length. Writes NAME.json and NAME.md; results
+with a symbolic sequence length and runs it at each length, beside our static build of that length
+and torch.compile, dynamic and static. Writes NAME.json and NAME.md; results
 are written after each model, so a run cut short keeps what it measured.
 """
 
@@ -161,18 +162,36 @@ def run_module(name: str, module, inputs: tuple, database: str | None, log, brea
 
 
 def run_dynamic(lengths: list[int], database: str | None, log) -> dict:
-    """The LLaMA layer compiled once with a symbolic sequence length, run at each length."""
+    """The LLaMA layer compiled once with a symbolic sequence length, run at each length beside our
+    static build of that length, torch.compile(dynamic=True) (compiled once), torch.compile of that
+    length and eager, in this process; device time (serial-launch builds) for ours and torch.compile."""
     module, x = make("llama-seq512")
     mod = tvm_ext.from_torch(copy.deepcopy(module), x, dynamic={0: {1: "seq"}})
-    module, x = module.cuda(), x.cuda()
+    module, target = module.cuda(), tvm_ext.parse_target("cuda")
     out = {"model": "llama-dynamic-seq", "runs": []}
+    torch._dynamo.config.recompile_limit = 64  # pylint: disable=protected-access
     with torch.no_grad():
-        fn = tvm_callable(tvm_ext.build(mod, "cuda", database=database))
+        started = time.perf_counter()
+        symbolic = tvm_callable(tvm_ext.build(mod, target, database=database))
+        symbolic_serial = tvm_callable(build_serial_launch(mod, target, database=database))
+        out["build_s"] = round(time.perf_counter() - started, 1)
+        dynamic = torch.compile(module, dynamic=True)
         for n in lengths:
             xi = torch.randn(1, n, x.shape[-1], device="cuda").to(x.dtype)
             ref = module(xi)
-            got = fn(xi)[0]
-            run = {"seq": n, "us": time_us(fn, [xi]), "eager_us": time_us(module, [xi]), "max_abs_err": max_err(got, ref)}
+            run = {"seq": n, "max_abs_err": max_err(symbolic(xi)[0], ref)}
+            static_mod = tvm_ext.from_torch(copy.deepcopy(module).cpu(), xi.cpu())
+            impls = {"symbolic": symbolic, "static": tvm_callable(tvm_ext.build(static_mod, target, database=database)),
+                     "torch_dynamic": dynamic, "torch_static": torch.compile(module, dynamic=False), "eager": module}
+            for impl, fn in impls.items():
+                try:
+                    fn(xi)
+                    run[f"{impl}_us"] = time_us(fn, [xi])
+                except Exception as err:  # one failing implementation must not sink the table
+                    run[f"{impl}_us"] = None
+                    run[f"{impl}_error"] = str(err).splitlines()[0][:300]
+            run["symbolic_device_us"] = device_us(symbolic_serial, [xi])
+            run["torch_dynamic_device_us"] = device_us(dynamic, [xi])
             out["runs"].append(run)
             log(f"dynamic seq {run}")
     return out
@@ -209,9 +228,18 @@ def markdown(results: list[dict]) -> str:
         lines += [f"| {k['kernel']} | {k['us']:.1f} | {k['gbps']:.0f} |" if "gbps" in k else
                   f"| {k['kernel']} | {k['us']:.1f} | - |" for k in r["breakdown"][:12]]
     for r in (r for r in results if "runs" in r):
-        lines += ["", "LLaMA layer compiled once with a symbolic sequence length:", "",
-                  "| seq | ours us | torch eager us | max abs err |", "|---|---|---|---|"]
-        lines += [f"| {x['seq']} | {x['us']:.1f} | {x['eager_us']:.1f} | {x['max_abs_err']:.3g} |" for x in r["runs"]]
+        lines += ["", "LLaMA layer compiled once with a symbolic sequence length (us; device us from the profiler):", "",
+                  "| seq | ours symbolic | ours static | symbolic vs static | torch.compile dynamic | vs torch dynamic | "
+                  "torch.compile static | eager | device: ours symbolic / torch dynamic | max abs err |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for x in r["runs"]:
+            us = {k: x.get(f"{k}_us") for k in ("symbolic", "static", "torch_dynamic", "torch_static", "eager")}
+            cell = lambda k: "-" if us[k] is None else f"{us[k]:.1f}"  # noqa: E731
+            ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
+            lines.append(f"| {x['seq']} | {cell('symbolic')} | {cell('static')} | {ratio(us['static'], us['symbolic'])} | "
+                         f"{cell('torch_dynamic')} | {ratio(us['torch_dynamic'], us['symbolic'])} | {cell('torch_static')} | "
+                         f"{cell('eager')} | {x['symbolic_device_us']:.1f} / {x['torch_dynamic_device_us']:.1f} | "
+                         f"{x['max_abs_err']:.3g} |")
     return "\n".join(lines)
 
 
@@ -223,7 +251,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dynamic-seq", default="", help="sequence lengths for the symbolic-length LLaMA layer")
     args = ap.parse_args(argv)
     results = []
-    for name in args.models.split(","):
+    for name in filter(None, args.models.split(",")):  # --models "" with --dynamic-seq: the symbolic layer alone
         torch._dynamo.reset()  # each model's torch.compile starts fresh: past the recompile limit it would run eager
         results.append(run_model(name, args.database, print))
         save(args.out, results)

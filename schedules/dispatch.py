@@ -87,6 +87,42 @@ def contraction_template(func: tirx.PrimFunc, target: Target | None = None):
     return conv2d if conv2d.convolution(func) is not None else None
 
 
+# A matmul with a symbolic row count (a sequence length) gets one kernel per class of row counts,
+# chosen at run time: (the class's largest row count, the row count its tiles are planned for); the
+# last class takes the rest. Classes whose plans agree share a kernel. (A single row, a GEMV, is the
+# pipeline's: dlight's rule on the function specialised to one row.)
+MATMUL_ROW_CLASSES = [(16, 16), (64, 64), (256, 256), (None, 4096)]
+
+
+def contraction_kernels(func: tirx.PrimFunc, target: Target) -> list[tuple]:
+    """The kernels for a contraction `func` (GPU): [(condition over its symbolic dims, knobs,
+    Schedule)], the last condition None; one for static sizes, one per row class
+    (MATMUL_ROW_CLASSES) for a symbolic row count; [] when no template of ours takes it."""
+    template = contraction_template(func, target)
+    rows = symbolic_rows(func) if template in (matmul, wgmma_matmul) else None
+    if rows is None:
+        found = _heuristic(func, target)
+        return [(None, *found)] if found else []
+    kernels = []
+    for bound, planned in MATMUL_ROW_CLASSES:
+        found = template.heuristic(func, device_of(target).sm_count, rows=planned)
+        if found is None:
+            return []
+        if kernels and kernels[-1][1] == found[0]:
+            kernels.pop()
+        kernels.append((None if bound is None else rows <= bound, *found))
+    return kernels
+
+
+def symbolic_rows(func: tirx.PrimFunc):
+    """The symbolic row count of a matmul whose other sizes are static (a tirx.Var or expression), else None."""
+    found = matmul.contraction(func)
+    if found is None:
+        return None
+    extents = [iv.dom.extent for iv in found[0].get(found[1]).iter_vars]
+    return extents[-3] if matmul.static_but_rows(extents) and const_int(extents[-3]) is None else None
+
+
 def _heuristic(func: tirx.PrimFunc, target: Target) -> tuple | None:
     """(knobs, Schedule) the heuristic picks for `func`: on a GPU, the contraction template's (see
     contraction_template); else the first reduce strategy that fits; None when none does."""

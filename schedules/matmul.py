@@ -12,7 +12,7 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
-from .analysis import multiply_accumulate
+from .analysis import const_int, multiply_accumulate
 from .contracts import TENSOR_CORE_DTYPES, WARP
 
 NAME = "matmul"
@@ -44,6 +44,12 @@ def contraction(func: tirx.PrimFunc, over_c: bool = True):
         if any(iv.iter_type != tirx.IterVar.DataPar for iv in ivs) or over_c and not same_extents(ivs, extents):
             return None
     return sch, blocks[0], blocks[1:]
+
+
+def static_but_rows(extents) -> bool:
+    """Whether a matmul block's extents (batch..., m, n, k) are static, the row count m aside: a
+    symbolic m (a sequence length) is served by tiles guarded at C's last row."""
+    return all(isinstance(e, tirx.IntImm) for i, e in enumerate(extents) if i != len(extents) - 3)
 
 
 def same_extents(ivs, extents) -> bool:
@@ -113,9 +119,10 @@ def tiling_knobs(block_m: int, warp_m: int, thread_n: int, warp_n: int, block_k:
 
 
 def tensor_core_matmul(func: tirx.PrimFunc):
-    """The matmul block of `func` when the template and the tensor cores can take it (static sizes,
-    fp16/int8 operands, more than one row: a single row is a GEMV, memory-bound, which dlight's GEMV
-    rule reads at bandwidth and 16-row tensor-core tiles would not), else None."""
+    """The matmul block of `func` when the template and the tensor cores can take it (static sizes
+    but perhaps the row count, fp16/int8 operands, more than one row: a single row is a GEMV,
+    memory-bound, which dlight's GEMV rule reads at bandwidth and 16-row tensor-core tiles would
+    not), else None."""
     found = contraction(func)
     if found is None:
         return None
@@ -123,7 +130,7 @@ def tensor_core_matmul(func: tirx.PrimFunc):
     if str(multiply_accumulate(block.body)[0].source.dtype) not in TENSOR_CORE_DTYPES:
         return None
     extents = [iv.dom.extent for iv in block.iter_vars]
-    return block if all(isinstance(e, tirx.IntImm) for e in extents) and int(extents[-3]) > 1 else None
+    return block if static_but_rows(extents) and const_int(extents[-3]) != 1 else None
 
 
 def knob_space(func: tirx.PrimFunc) -> list[dict]:
@@ -160,16 +167,20 @@ def shared_bytes(knobs: dict, itemsize: int, k_last: tuple = (True, False)) -> i
     return int(knobs["stages"]) * sum(rows * (length + pad) for rows, length in operand_tiles(knobs, k_last)) * itemsize
 
 
-def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule] | None:
+def heuristic(func: tirx.PrimFunc, sm_count: int, rows: int | None = None) -> tuple[dict, s_tir.Schedule] | None:
     """(knobs, Schedule) of the first tiling in TILINGS order that fits `func` with about one full
     wave of blocks (90% of the SMs or more); failing that, of the fitting tiling with the most
     blocks; tilings whose tiles divide C before those that pad it; None when the template does not
     fit at all (operands the tensor cores cannot take, symbolic sizes, rows that are not a whole
-    number of copy vectors)."""
+    number of copy vectors). A symbolic row count is planned for as `rows` rows (its tiles always
+    guarded)."""
     block = tensor_core_matmul(func)
     if block is None:
         return None
-    *batch, m, n, _ = (int(iv.dom.extent) for iv in block.iter_vars)
+    *batch, m, n = (const_int(iv.dom.extent) for iv in block.iter_vars[:-1])
+    if m is None and rows is None:
+        return None
+    m = m or rows
     candidates = [tiling_knobs(*t, operand_itemsize(block)) for t in TILINGS]
 
     def ranked(tilings):
@@ -203,9 +214,9 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     wm, tn, wn = int(knobs["warp_m"]), int(knobs["thread_n"]), int(knobs.get("warp_n", 1))
     vec, pad, stages = int(knobs.get("vec", 1)), int(knobs.get("pad", 0)), int(knobs.get("stages", 1))
     extents = [x.dom.extent for x in sch.get(block).iter_vars]
-    if any(not isinstance(e, tirx.IntImm) for e in extents):
-        return None  # symbolic dims: tiles cannot be checked to divide them
-    m, n, k = (int(e) for e in extents[-3:])
+    if not static_but_rows(extents):
+        return None  # symbolic dims but a row count: tiles cannot be checked to divide them
+    m, n, k = (const_int(e) if const_int(e) is not None else e for e in extents[-3:])
     itemsize = operand_itemsize(sch.get(block))
     k_last = k_is_last(sch.get(block))
     tiles = operand_tiles(knobs, k_last)
@@ -219,19 +230,20 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
         return None  # a part of a split K must start at a whole tile of k (aligned copies)
     warps = bm // wm * wn
     threads = warps * WARP
-    m, n, k = (-(-size // tile) * tile for size, tile in ((m, bm), (n, bn), (k, bk)))  # padded up to whole tiles
+    m, n, k = ((size + tile - 1) // tile * tile for size, tile in ((m, bm), (n, bn), (k, bk)))  # padded up to whole tiles
     if bm % wm or bn != wn * WARP * tn or (bm * bk) % (vec * threads) \
             or (bk * bn) % (vec * threads) or stages < 1 or k // bk < stages:
         return None  # the warps must divide the block's tile, the copies the tiles
     if shared_bytes(knobs, itemsize, k_last) > MAX_SHARED:
         return None  # the launch would fail ("Failed to set the allowed dynamic shared memory size")
     pads, copy_out = [], None
-    if [m, n, k] != [int(e) for e in extents[-3:]]:  # zero-filled operands, the rows and columns past C's edge dropped
+    symbolic = not isinstance(m, int)
+    if symbolic or [m, n, k] != [int(e) for e in extents[-3:]]:  # zero-filled operands, the rows and columns past C's edge dropped
         if itemsize == 1 or strides:  # TVM 0.27 prints an int8x8 zero fill as make_int2 of 8 chars (nvcc
             return None  # rejects it); pad_einsum takes no split K's index
         sch.pad_einsum(block, [1] * (len(extents) - 3) + [bm, bn, bk])
         pads = sch.get_producers(block)
-        if [m, n] != [int(e) for e in extents[-3:-1]]:  # C padded too: pad_einsum copies its rows and columns out
+        if symbolic or [m, n] != [int(e) for e in extents[-3:-1]]:  # C padded too: pad_einsum copies its rows and columns out
             (copy_out,) = sch.get_consumers(block)  # (a K padded alone leaves C, and its epilogue, as they were)
     staged = None
     if epilogue or copy_out:  # C -> shared staging -> the epilogue, computed as it is written out

@@ -19,7 +19,7 @@ from tvm.script import tirx as T
 
 from . import matmul
 from .contracts import GATE_RUN, WGMMA_TYPES, WIDE_TILE, WIDE_TILE_WAVES, gate_column
-from .analysis import multiply_accumulate, substitute
+from .analysis import const_int, multiply_accumulate, substitute
 
 NAME = "wgmma_matmul"
 ROWS = 64  # of one warpgroup's m64nNk16
@@ -62,10 +62,10 @@ def _fit(func: tirx.PrimFunc):
     a, _ = multiply_accumulate(block.body)
     extents = [iv.dom.extent for iv in block.iter_vars]
     if str(a.source.dtype) not in WGMMA_TYPES or str(block.writes[0].source.dtype) != "float32" \
-            or not all(isinstance(e, tirx.IntImm) for e in extents) or matmul.part_strides(block) != []:
+            or not matmul.static_but_rows(extents) or matmul.part_strides(block) != []:
         return None
-    m, n, k = (int(e) for e in extents[-3:])
-    if m < ROWS or n % 64 or k % K_TILE or not matmul.k_is_last(block)[0]:
+    m, n, k = (const_int(e) for e in extents[-3:])
+    if m is not None and m < ROWS or n % 64 or k % K_TILE or not matmul.k_is_last(block)[0]:
         return None
     folded = _epilogue(sch, epilogue, block.writes[0].source, extents[:-1])
     if folded is None or folded.gated and str(folded.out.dtype) != str(a.source.dtype):  # gated: staged in shared memory
@@ -86,8 +86,8 @@ def _points(found) -> list[dict]:
         return []
     *_, m, n, _ = _sizes(found)
     b_n_major = not matmul.k_is_last(found[0])[1]
-    points = [{"strategy": NAME, "block_m": bm, "block_n": bn, "stages": stages, "group": _group(_tiles(m, bm))}
-              for bm, bn in TILES if bm <= m and _width_fits(bn, n, b_n_major) for stages in _stage_counts(bm, bn)]
+    points = [{"strategy": NAME, "block_m": bm, "block_n": bn, "stages": stages, "group": _group(m, bm)}
+              for bm, bn in TILES if (not isinstance(m, int) or bm <= m) and _width_fits(bn, n, b_n_major) for stages in _stage_counts(bm, bn)]
     if _tma_views(found[0]) is None:  # operands a descriptor cannot describe
         return points
     return points + [{**p, "tma": 1} for p in points if _tma_fits(p["block_m"], p["block_n"], p["stages"])]
@@ -110,8 +110,9 @@ def _width_fits(bn: int, n: int, b_n_major: bool) -> bool:
     return (bn % 64 == 0 or not b_n_major) and _tiles(n, bn) * bn - n <= MOST_WASTED * n
 
 
-def _tiles(size: int, tile: int) -> int:
-    return -(-size // tile)
+def _tiles(size, tile: int):
+    """Tiles covering `size` (an int, or a PrimExpr for a symbolic row count)."""
+    return (size + tile - 1) // tile
 
 
 def block_count(batch: int, m: int, n: int, block_m: int, block_n: int) -> int:
@@ -119,10 +120,11 @@ def block_count(batch: int, m: int, n: int, block_m: int, block_n: int) -> int:
     return batch * _tiles(m, block_m) * _tiles(n, block_n)
 
 
-def _group(row_tiles: int) -> int:
+def _group(m, block_m: int) -> int:
     """Rows of tiles consecutive blocks walk down before the next column: 8 (or 4) where they
-    divide the rows, so B's columns stay in L2 (measured: see docs/design.md#warpgroup-matmuls-wgmma)."""
-    return next((g for g in (8, 4) if row_tiles % g == 0), 0)
+    divide the rows, so B's columns stay in L2 (measured: see docs/design.md#warpgroup-matmuls-wgmma);
+    none over a symbolic row count."""
+    return next((g for g in (8, 4) if _tiles(m, block_m) % g == 0), 0) if isinstance(m, int) else 0
 
 
 def _stage_counts(block_m: int, block_n: int) -> list[int]:
@@ -148,9 +150,9 @@ def _output_bytes(block_m: int, block_n: int) -> int:
     return block_m * (block_n + OUTPUT_PAD) * 2
 
 
-def _sizes(found) -> list[int]:
-    """The matmul block's extents: batch..., m, n, k."""
-    return [int(iv.dom.extent) for iv in found[0].iter_vars]
+def _sizes(found) -> list:
+    """The matmul block's extents: batch..., m, n, k (ints; m a PrimExpr where symbolic)."""
+    return [iv.dom.extent if const_int(iv.dom.extent) is None else const_int(iv.dom.extent) for iv in found[0].iter_vars]
 
 
 def stage_bytes(block_m: int, block_n: int) -> int:
@@ -169,14 +171,19 @@ PREFERENCE = [(WIDE_TILE, WIDE_TILE_WAVES, "most", 0), ((64, 256), 0.9, "most", 
               ((64, 128), 1, "two per SM", 0)]
 
 
-def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule] | None:
+def heuristic(func: tirx.PrimFunc, sm_count: int, rows: int | None = None) -> tuple[dict, s_tir.Schedule] | None:
     """The first tile of PREFERENCE that fits and gives enough blocks, with its stage count (loaded by
-    TMA where it may be alone on its SM), else the fitting tile giving the most blocks, two per SM."""
+    TMA where it may be alone on its SM), else the fitting tile giving the most blocks, two per SM.
+    A symbolic row count is planned for as `rows` rows."""
     found = _fit(func)
     space = _points(found)
     if not space:
         return None
     *batch, m, n, k = _sizes(found)
+    if not isinstance(m, int):
+        if rows is None:
+            return None
+        m = rows
     by_tile: dict = {}
     for knobs in space:  # each tile's points: most stages first, then those loaded by TMA
         by_tile.setdefault((knobs["block_m"], knobs["block_n"]), []).append(knobs)
@@ -206,14 +213,17 @@ def _tensor_view(load, block, inner, outer):
     """How a TMA descriptor sees `load`'s buffer: (dims inner first, byte strides, coordinate of the
     batch axes as a function of their iterators' values) with the buffer's last two axes indexed by
     `inner` and `outer` iterators and any axes before them by distinct batch iterators (collapsed
-    into one axis); None for any other indexing."""
+    into one axis); None for any other indexing. A symbolic row count stays a dim of the
+    descriptor, encoded at run time."""
     ivs = [iv.var for iv in block.iter_vars]
     batch_vars = ivs[:-3]
-    shape, indices = [int(x) for x in load.source.shape], list(load.indices)
+    shape, indices = [const_int(x) for x in load.source.shape], list(load.indices)
     *lead, second, last = indices
     if not (last.same_as(inner) and second.same_as(outer)) \
-            or not all(any(i.same_as(v) for v in batch_vars) for i in lead) or len(set(map(str, lead))) != len(lead):
+            or not all(any(i.same_as(v) for v in batch_vars) for i in lead) or len(set(map(str, lead))) != len(lead) \
+            or None in shape[:-2] + shape[-1:] or shape[-2] is None and lead:
         return None
+    shape[-2] = load.source.shape[-2] if shape[-2] is None else shape[-2]
     itemsize = 2  # fp16: the only operands _fit takes
     dims = [shape[-1], shape[-2]] + ([math.prod(shape[:-2])] if lead else [])
     strides = [shape[-1] * itemsize] + ([shape[-1] * shape[-2] * itemsize] if lead else [])
@@ -301,8 +311,8 @@ def _apply(func: tirx.PrimFunc, found, knobs: dict) -> s_tir.Schedule | None:
     bm, bn, stages, group, tma = (int(knobs.get(x, 0)) for x in ("block_m", "block_n", "stages", "group", "tma"))
     *batch, m, n, k = _sizes(found)
     views = _tma_views(block) if tma else None
-    if bm % ROWS or bn % 32 or bn > 256 or bm > m or not _width_fits(bn, n, not matmul.k_is_last(block)[1]) \
-            or stages < 2 + _in_flight(bm, bn, stages) or group and _tiles(m, bm) % group \
+    if bm % ROWS or bn % 32 or bn > 256 or isinstance(m, int) and bm > m or not _width_fits(bn, n, not matmul.k_is_last(block)[1]) \
+            or stages < 2 + _in_flight(bm, bn, stages) or group and (not isinstance(m, int) or _tiles(m, bm) % group) \
             or not _output_bytes(bm, bn) <= stages * stage_bytes(bm, bn) <= matmul.MAX_SHARED \
             or tma and (views is None or not _tma_fits(bm, bn, stages)):
         return None
@@ -326,7 +336,7 @@ def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k) -> tirx
     k_tiles, ahead = k // K_TILE, min(stages - 1 - in_flight, k // K_TILE)  # in flight: stage kt - 1 may still be read
     regs = bn // 2
     columns, partial = _tiles(n, bn), n % bn != 0
-    rows, partial_rows = _tiles(m, bm), m % bm != 0
+    rows, partial_rows = _tiles(m, bm), not isinstance(m, int) or m % bm != 0
 
     def within(index, last):
         """`index`, held at `last` where the last column of tiles passes C's edge."""

@@ -1,5 +1,7 @@
 """Shared by the tests: suite cases at test size, running a built module, tolerances."""
 
+import re
+
 import ml_dtypes
 import numpy as np
 import tvm
@@ -88,3 +90,8 @@ def build_recording_launch(mod, target, **options):
         tvm_ext.unregister_tir_pass(record)
     kernels = tvm_ext.cuda_kernels(ex)
     return ex, tvm_ext.cuda_source(ex), {name: tags for name, tags in launch.items() if name in kernels}
+
+
+def kernel_bodies(src: str) -> dict:
+    """{kernel name: its CUDA body} of generated source."""
+    return dict(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\([^)]*\) \{\n(.*?)\n\}', src, re.S))

@@ -13,7 +13,7 @@ from tvm import relax
 import tvm_ext
 from bench.suite import relax_module
 from conftest import CUDA_TARGET
-from helpers import build_recording_launch
+from helpers import build_recording_launch, kernel_bodies
 from tvm_ext.tir import registered_tir_passes, tir_pass_disabled
 from tvm_ext.tir.cooperative_launch import COOPERATIVE_LAUNCH, DYNAMIC_SHARED_MEMORY
 from tvm_ext.tir.dependent_launch import DEPENDENT_LAUNCH, dependent_launch
@@ -30,10 +30,6 @@ def norm_then_softmax(rows: int = 512, width: int = 4096) -> relax.Function:
             out = bb.emit_output(relax.op.nn.softmax(bb.emit(relax.op.nn.rms_norm(x, w, axes=[-1]))))
         bb.emit_func_output(out)
     return bb.get()
-
-
-def kernel_bodies(src: str) -> dict:
-    return dict(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\([^)]*\) \{\n(.*?)\n\}', src, re.S))
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_90a"])

@@ -56,7 +56,7 @@ class ScheduleReductions:
         target = Target.current()
         if self.database:
             self.database.warn_if_foreign(target)
-        dispatch, replaced, builder = {}, [], relax.BlockBuilder(mod)
+        dispatch, builder = {}, relax.BlockBuilder(mod)
         for gv, func in list(mod.functions_items()):
             if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False) or not is_reduce_subgraph(func):
                 continue
@@ -74,50 +74,81 @@ class ScheduleReductions:
                 warnings.warn(f"tvm_ext: {gv.name_hint}: no tvm_ext schedule matches it; falling back to TVM's default "
                               "schedule", stacklevel=2)
                 continue
-            scheduled = [(cond, sch.mod["main"].with_attrs({SCHEDULED: True, OURS: True})) for cond, sch in kernels]
-            if len(scheduled) == 1 and ZEROED_INPUTS not in (scheduled[0][1].attrs or {}):
-                builder.update_func(gv, scheduled[0][1])
-                continue
-            # several kernels (symbolic dims: one per class of sizes), or a new signature: new
-            # functions, and the call sites rewritten to reach them
-            dispatch[gv.name_hint] = [(cond, builder.add_func(f, f"{gv.name_hint}_v{i}"))
-                                      for i, (cond, f) in enumerate(scheduled)]
-            replaced.append(gv)
-        mod = rewrite_call_sites(builder.get(), dispatch)
-        for gv in replaced:
-            del mod[gv]
-        return mod
+            _install(builder, gv, [(cond, sch.mod["main"].with_attrs({SCHEDULED: True, OURS: True})) for cond, sch in kernels],
+                     dispatch)
+        return _dispatched(builder, dispatch)
+
+
+def _install(builder: relax.BlockBuilder, gv: tvm.ir.GlobalVar, kernels: list, dispatch: dict) -> None:
+    """Put the scheduled `kernels` ([(condition, PrimFunc)]) of function `gv` in the module: one
+    kernel of the same signature in its place, else (several kernels, one per class of sizes, or a
+    new signature) new functions, recorded in `dispatch` for their call sites."""
+    if len(kernels) == 1 and ZEROED_INPUTS not in (kernels[0][1].attrs or {}):
+        builder.update_func(gv, kernels[0][1])
+    else:
+        dispatch[gv] = [(cond, builder.add_func(f, f"{gv.name_hint}_v{i}")) for i, (cond, f) in enumerate(kernels)]
+
+
+def _dispatched(builder: relax.BlockBuilder, dispatch: dict) -> tvm.IRModule:
+    """The module with the call sites of each function in `dispatch` choosing among its kernels, and
+    the function itself gone."""
+    mod = rewrite_call_sites(builder.get(), {gv.name_hint: kernels for gv, kernels in dispatch.items()})
+    for gv in dispatch:
+        del mod[gv]
+    return mod
 
 
 @tvm.transform.module_pass(opt_level=0, name="TVMExtScheduleContractions")
 class ScheduleContractions:
-    """Schedule fp16/int8 matmuls and direct convolutions, with the elementwise work FuseOps put
+    """Schedule fp16/bf16/int8 matmuls and direct convolutions, with the elementwise work FuseOps put
     after them, with our GPU templates (knobs from the tuning log, else the template's heuristic);
-    the auto-tensorization TIR pass makes tensor-core code of the matmuls at build time. The rest
-    (bf16, symbolic sizes, rows not a whole number of 16-byte vectors), and a function whose
-    schedule raises anywhere up to code generation (one warning), stays for TVM's dlight rules."""
+    the auto-tensorization TIR pass makes tensor-core code of the matmuls at build time. A symbolic
+    row count gets a kernel per class of row counts, chosen at run time (one row: dlight's GEMV).
+    The rest (other symbolic sizes, rows not a whole number of 16-byte vectors), and a function
+    whose schedule raises anywhere up to code generation (one warning), stays for TVM's dlight rules."""
 
     def __init__(self, database: Database | None = None):
         self.database = database
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         target = Target.current()
+        dispatch, builder = {}, relax.BlockBuilder(mod)
         for gv, func in list(mod.functions_items()):
             if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False):
                 continue
             try:
-                template = schedules.contraction_template(func, target)
-                if template is None:
+                if schedules.contraction_template(func, target) is None:
                     continue
-                sch = schedules.schedule(func, target, self.database.lookup(func, target) if self.database else None)
-                if sch is not None:
-                    check_builds(sch.mod["main"], gv.name_hint, target)
+                knobs = self.database.lookup(func, target) if self.database else None
+                kernels = [(None, schedules.schedule(func, target, knobs))] if knobs else \
+                    [(cond, sch) for cond, _, sch in schedules.contraction_kernels(func, target)]
+                kernels = _single_row_first(func, kernels, target)
+                for _, sch in kernels:
+                    if sch is not None:
+                        check_builds(sch.mod["main"], gv.name_hint, target)
             except Exception as err:  # noqa: BLE001 (a template bug must cost speed, never the build)
                 _schedule_failed(gv.name_hint, err, "contraction templates")
                 continue
-            if sch is not None:
-                mod.update_func(gv, sch.mod["main"].with_attr(SCHEDULED, True))
-        return mod
+            if kernels and all(sch is not None for _, sch in kernels):
+                _install(builder, gv, [(cond, sch.mod["main"].with_attr(SCHEDULED, True)) for cond, sch in kernels],
+                         dispatch)
+        return _dispatched(builder, dispatch)
+
+
+def _single_row_first(func: tirx.PrimFunc, kernels: list, target: Target) -> list:
+    """`kernels` of a matmul with a symbolic row count, led by dlight's GEMV of the function at one
+    row (the row count specialised to 1; judged on the portable architecture, as in dlight_defaults)
+    where the rule takes it: one row is memory-bound, and a tile of rows would read the weight
+    below bandwidth."""
+    rows = schedules.symbolic_rows(func) if len(kernels) > 1 else None
+    param = next((p for p in func.params if any(d.same_as(rows) for d in getattr(p, "shape", []))), None)
+    if not isinstance(rows, tirx.Var) or param is None:
+        return kernels
+    one = tirx.decl_buffer([tirx.IntImm(str(rows.ty), 1) if d.same_as(rows) else d for d in param.shape], param.dtype,
+                           name=param.name)
+    with without_arch_specific(target) if target.kind.name == "cuda" else target:
+        gemv = dl.gpu.GEMV().apply(func.specialize({param: one}), Target.current(), False)
+    return kernels if gemv is None else [(rows == 1, gemv), *kernels]
 
 
 def _schedule_failed(name: str, err: Exception, templates: str) -> None:

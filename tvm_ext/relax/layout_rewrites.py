@@ -2,7 +2,8 @@
 
 `q @ k^T` reads k as stored (else the transpose lands in k's producer, whose writes then stride);
 on sm_90a `x @ W.T` reads W as stored, [n, k], when the wgmma template takes the matmul, and on any
-GPU when x is a single row (a GEMV: each output reads one contiguous row of W); and an
+GPU when x is a single row (a GEMV: each output reads one contiguous row of W) or a symbolic number
+of rows (one of its kernels is that GEMV); and an
 activation or residual add after a reshape moves before it, into the matmul's epilogue (FuseOps
 stops at reshapes). Measured: see docs/design.md#warpgroup-matmuls-wgmma."""
 
@@ -42,7 +43,7 @@ class _ReadTransposedOperand(PyExprMutator):
         if op_name(call) != "relax.matmul":
             return call
         batched = len(shape_of(call.args[0]) or []) >= 3
-        if not batched and not (self.wgmma and _wgmma_sized(call) or self.gpu and _single_row(call)):
+        if not batched and not (self.wgmma and _wgmma_sized(call) or self.gpu and (_single_row(call) or _any_rows(call))):
             return call
         source = self._untransposed(call.args[1])
         if source is None:
@@ -87,6 +88,15 @@ def _single_row(call) -> bool:
     the weight as stored at bandwidth; a transposed weight is read down its columns)."""
     sa, sb = static_shape(call.args[0]), static_shape(call.args[1])
     return sa is not None and sb is not None and len(sa) == len(sb) == 2 and sa[0] == 1
+
+
+def _any_rows(call) -> bool:
+    """Whether a 2-D matmul has a symbolic row count (a sequence length) and static K and N: one of
+    its kernels serves a single row (a GEMV, see _single_row), the others read an [n, k] weight as
+    well as a [k, n] one."""
+    sa, sb = shape_of(call.args[0]), static_shape(call.args[1])
+    return sa is not None and sb is not None and len(sa) == len(sb) == 2 and not isinstance(sa[0], int) \
+        and isinstance(sa[1], int)
 
 
 @tvm.transform.module_pass(opt_level=0, name="TVMExtReadTransposedOperand")

@@ -1,0 +1,95 @@
+"""Matmuls with a symbolic row count (a sequence length): one build serves every length. Each
+class of row counts gets its kernel, chosen at run time by a compare on the host: one row is
+dlight's GEMV over the weight as stored, the others our tensor-core templates (wgmma on sm_90a,
+mma.sync elsewhere) with tiles planned for the class, their last row of tiles guarded."""
+
+import re
+import warnings
+
+import ml_dtypes  # noqa: F401  (numpy's "bfloat16")
+import numpy as np
+import pytest
+import tvm
+from tvm import relax, tirx
+from tvm.runtime.vm import VirtualMachine
+
+import tvm_ext
+from bench.spelled import main_module
+from helpers import kernel_bodies
+from tvm_ext.pipeline import ScheduleContractions, fused_module
+from tvm_ext.schedules import contraction_kernels
+from tvm_ext.schedules.dispatch import MATMUL_ROW_CLASSES
+
+
+def linear(n: int, k: int, dtype: str, residual: bool = True, seed: int = 0):
+    """(module of `x @ W^T (+ r)` over x [m, k] with m symbolic, W [n, k] a constant as torch.nn.Linear
+    keeps it, W)."""
+    rng = np.random.default_rng(seed)
+    weight = (rng.standard_normal((n, k)) / 16).astype(dtype)
+    m = tirx.Var("m", "int64")
+    x, r = relax.Var("x", relax.TensorType([m, k], dtype)), relax.Var("r", relax.TensorType([m, n], dtype))
+
+    def body(bb, x, *rest):
+        y = relax.op.astype(bb.emit(relax.op.matmul(x, relax.op.permute_dims(relax.const(weight)), out_dtype="float32")), dtype)
+        return relax.op.add(bb.emit(y), rest[0]) if rest else y
+
+    return main_module(body, [x, r] if residual else [x]), weight
+
+
+def build_quietly(mod, target):
+    """The build, with any fallback to TVM's schedules an error."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return tvm_ext.build(mod, target)
+
+
+@pytest.mark.parametrize("arch, tensor_core", [("sm_90a", "ptx_wgmma"), ("sm_80", "mma_sync")])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_each_row_class_gets_a_kernel_of_its_own(arch, tensor_core, dtype):
+    if dtype == "bfloat16" and arch == "sm_80":
+        pytest.skip("bf16 on mma.sync: TVM 0.27 has no bf16 WMMA intrinsics (a symbolic bf16 matmul stays dlight's)")
+    bodies = kernel_bodies(tvm_ext.cuda_source(build_quietly(linear(4096, 4096, dtype)[0], {"kind": "cuda", "arch": arch})))
+    variants = sorted(name for name in bodies if re.search(r"_v\d+_kernel$", name))
+    assert len(variants) >= 3, sorted(bodies)
+    single, *tiled = variants  # _v0: one row
+    assert "__shfl" in bodies[single] and "mma" not in bodies[single]
+    assert all(tensor_core in bodies[name] for name in tiled), tiled
+
+
+def test_row_classes_are_planned_for_their_sizes_and_end_with_the_rest():
+    target = tvm_ext.parse_target({"kind": "cuda", "arch": "sm_90a"})
+    (func,) = [f for gv, f in fused_module(linear(4096, 4096, "float16")[0], target).functions_items()
+               if "matmul" in gv.name_hint]
+    with target:
+        kernels = contraction_kernels(func, target)
+    conditions = [str(cond) for cond, _, _ in kernels]
+    assert conditions[-1] == "None" and all(re.fullmatch(r"m <= T.int64\(\d+\)", c) for c in conditions[:-1]), conditions
+    bounds = [int(re.search(r"\d+", c.split("<=")[1]).group()) for c in conditions[:-1]]
+    assert bounds == sorted(bounds) and set(bounds) <= {b for b, _ in MATMUL_ROW_CLASSES}
+    tiles = [(knobs["block_m"], knobs["block_n"]) for _, knobs, _ in kernels]
+    assert len(set(tiles)) == len(tiles), tiles  # classes planned alike share one kernel
+    assert tiles[0][0] * tiles[0][1] < tiles[-1][0] * tiles[-1][1]  # few rows: small tiles, more blocks
+
+
+def test_the_dispatch_is_a_host_side_compare_on_the_row_count():
+    target = tvm_ext.parse_target({"kind": "cuda", "arch": "sm_90a"})
+    with target:
+        scheduled = ScheduleContractions()(relax.transform.ToNonDataflow()(fused_module(linear(4096, 4096, "float16")[0],
+                                                                                         target)))
+    script = scheduled["main"].script()
+    assert re.search(r"if m == 1", script) and re.search(r"if m <= \d+", script), script
+    assert len(re.findall(r"R.call_tir\(fused_matmul\w*_v\d+", script)) >= 3, script
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (1536, 768)])
+def test_every_row_class_matches_numpy_on_gpu(n, k, dtype, rng):
+    mod, weight = linear(n, k, dtype)
+    main = VirtualMachine(tvm_ext.build(mod, "cuda"), tvm.cuda())["main"]
+    for m in (1, 3, 16, 17, 64, 100, 256, 300, 1000):
+        x, r = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((m, n)).astype(dtype)
+        got = main(tvm.runtime.tensor(x, tvm.cuda()), tvm.runtime.tensor(r, tvm.cuda())).numpy().astype("float32")
+        want = x.astype("float32") @ weight.astype("float32").T + r.astype("float32")
+        tolerance = 1e-2 if dtype == "float16" else 6e-2
+        np.testing.assert_allclose(got, want, atol=tolerance * np.abs(want).max(), rtol=0, err_msg=f"{m} rows")
