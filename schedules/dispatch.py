@@ -91,7 +91,7 @@ def contraction_template(func: tirx.PrimFunc, target: Target | None = None):
 # chosen at run time: (the class's largest row count, the row count its tiles are planned for); the
 # last class takes the rest. Classes whose plans agree share a kernel. (A single row, a GEMV, is the
 # pipeline's: dlight's rule on the function specialised to one row.)
-MATMUL_ROW_CLASSES = [(16, 16), (64, 64), (256, 256), (None, 4096)]
+MATMUL_ROW_CLASSES = [(16, 16), (64, 64), (256, 256), (512, 512), (1024, 1024), (2048, 2048), (None, 8192)]
 
 
 def contraction_kernels(func: tirx.PrimFunc, target: Target) -> list[tuple]:

@@ -123,8 +123,8 @@ def block_count(batch: int, m: int, n: int, block_m: int, block_n: int) -> int:
 def _group(m, block_m: int) -> int:
     """Rows of tiles consecutive blocks walk down before the next column: 8 (or 4) where they
     divide the rows, so B's columns stay in L2 (measured: see docs/design.md#warpgroup-matmuls-wgmma);
-    none over a symbolic row count."""
-    return next((g for g in (8, 4) if _tiles(m, block_m) % g == 0), 0) if isinstance(m, int) else 0
+    8 over a symbolic row count, whose last group may be short."""
+    return next((g for g in (8, 4) if _tiles(m, block_m) % g == 0), 0) if isinstance(m, int) else 8
 
 
 def _stage_counts(block_m: int, block_n: int) -> list[int]:
@@ -312,7 +312,7 @@ def _apply(func: tirx.PrimFunc, found, knobs: dict) -> s_tir.Schedule | None:
     *batch, m, n, k = _sizes(found)
     views = _tma_views(block) if tma else None
     if bm % ROWS or bn % 32 or bn > 256 or isinstance(m, int) and bm > m or not _width_fits(bn, n, not matmul.k_is_last(block)[1]) \
-            or stages < 2 + _in_flight(bm, bn, stages) or group and (not isinstance(m, int) or _tiles(m, bm) % group) \
+            or stages < 2 + _in_flight(bm, bn, stages) or group and isinstance(m, int) and _tiles(m, bm) % group \
             or not _output_bytes(bm, bn) <= stages * stage_bytes(bm, bn) <= matmul.MAX_SHARED \
             or tma and (views is None or not _tma_fits(bm, bn, stages)):
         return None
@@ -407,7 +407,11 @@ def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k) -> tirx
         if not group:
             return tile % columns, tile // columns
         per_group = group * columns
-        return tile % per_group // group, tile // per_group * group + tile % group
+        if isinstance(rows, int):  # every group whole (`group` divides the rows of tiles)
+            return tile % per_group // group, tile // per_group * group + tile % group
+        first = tile // per_group * group  # a symbolic row count: the last group may be short
+        height = T.min(rows - first, group)
+        return tile % per_group // height, first + tile % per_group % height
 
     b_lbo = K_TILE * 128 // 16 if b_n_major else 1  # n-major: from one 64-column atom to the next
     b_step = 16 * 128 if b_n_major else 32  # bytes from one 16-wide step of k to the next

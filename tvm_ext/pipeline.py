@@ -122,7 +122,8 @@ class ScheduleContractions:
                 knobs = self.database.lookup(func, target) if self.database else None
                 kernels = [(None, schedules.schedule(func, target, knobs))] if knobs else \
                     [(cond, sch) for cond, _, sch in schedules.contraction_kernels(func, target)]
-                kernels = _single_row_first(func, kernels, target)
+                rows = schedules.symbolic_rows(func)
+                gemv = _single_row_kernel(func, rows, target) if rows is not None else None
                 for _, sch in kernels:
                     if sch is not None:
                         check_builds(sch.mod["main"], gv.name_hint, target)
@@ -130,25 +131,25 @@ class ScheduleContractions:
                 _schedule_failed(gv.name_hint, err, "contraction templates")
                 continue
             if kernels and all(sch is not None for _, sch in kernels):
-                _install(builder, gv, [(cond, sch.mod["main"].with_attr(SCHEDULED, True)) for cond, sch in kernels],
-                         dispatch)
+                # a symbolic row count: int32 twins where the sizes allow (tvm_ext/tir/narrowing.py)
+                scheduled = [(cond, sch.mod["main"].with_attrs({SCHEDULED: True, OURS: rows is not None}))
+                             for cond, sch in kernels]
+                _install(builder, gv, ([(rows == 1, gemv.mod["main"].with_attr(SCHEDULED, True))] if gemv else [])
+                         + scheduled, dispatch)
         return _dispatched(builder, dispatch)
 
 
-def _single_row_first(func: tirx.PrimFunc, kernels: list, target: Target) -> list:
-    """`kernels` of a matmul with a symbolic row count, led by dlight's GEMV of the function at one
-    row (the row count specialised to 1; judged on the portable architecture, as in dlight_defaults)
-    where the rule takes it: one row is memory-bound, and a tile of rows would read the weight
-    below bandwidth."""
-    rows = schedules.symbolic_rows(func) if len(kernels) > 1 else None
+def _single_row_kernel(func: tirx.PrimFunc, rows, target: Target) -> s_tir.Schedule | None:
+    """dlight's GEMV of a matmul with a symbolic row count `rows` at one row (specialised to 1;
+    judged on the portable architecture, as in dlight_defaults), or None where the rule refuses it:
+    one row is memory-bound, and a tile of rows would read the weight below bandwidth."""
     param = next((p for p in func.params if any(d.same_as(rows) for d in getattr(p, "shape", []))), None)
     if not isinstance(rows, tirx.Var) or param is None:
-        return kernels
+        return None
     one = tirx.decl_buffer([tirx.IntImm(str(rows.ty), 1) if d.same_as(rows) else d for d in param.shape], param.dtype,
                            name=param.name)
     with without_arch_specific(target) if target.kind.name == "cuda" else target:
-        gemv = dl.gpu.GEMV().apply(func.specialize({param: one}), Target.current(), False)
-    return kernels if gemv is None else [(rows == 1, gemv), *kernels]
+        return dl.gpu.GEMV().apply(func.specialize({param: one}), Target.current(), False)
 
 
 def _schedule_failed(name: str, err: Exception, templates: str) -> None:
