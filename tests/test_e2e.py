@@ -74,6 +74,19 @@ def test_llama_with_symbolic_sequence_runs_every_length_from_one_build():
         np.testing.assert_allclose(run_model(executable, xi), want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_length_outside_the_declared_range_is_a_clear_error_before_any_kernel():
+    """TVM plans memory for the declared bound (tir_var_upper_bound): past it, kernels would write
+    past their buffers."""
+    module, x = make("llama-tiny")
+    executable = tvm_ext.build(tvm_ext.from_torch(module, x, dynamic={0: {1: ("seq", 2, 40)}}), "llvm")
+    xi = torch.randn(1, 40, x.shape[-1])
+    with torch.no_grad():
+        np.testing.assert_allclose(run_model(executable, xi), module(xi).numpy(), rtol=1e-4, atol=1e-4)
+    for n in (1, 41):
+        with pytest.raises(AssertionError, match=rf"input 0 dim 1 \('seq'\) is {n}, outside the range \[2, 40\]"):
+            run_model(executable, torch.randn(1, n, x.shape[-1]))
+
+
 def test_an_op_the_frontend_cannot_import_is_named():
     class Bessel(torch.nn.Module):
         def forward(self, x):

@@ -282,7 +282,8 @@ def from_torch(module, *example, dynamic: dict | None = None) -> tvm.IRModule:
     import torch  # noqa: PLC0415
     from tvm.relax.frontend.torch import from_exported_program  # noqa: PLC0415
 
-    shapes = _by_parameter(module, _dynamic_shapes(dynamic, len(example))) if dynamic else None
+    per_input = _dynamic_shapes(dynamic, len(example)) if dynamic else None
+    shapes = _by_parameter(module, per_input) if dynamic else None
     try:
         program = torch.export.export(module.eval(), tuple(example), dynamic_shapes=shapes)
     except Exception as err:  # torch's message carries the fix (e.g. the Dim bounds to pass): keep all of it
@@ -292,5 +293,34 @@ def from_torch(module, *example, dynamic: dict | None = None) -> tvm.IRModule:
     missing = unsupported_ops(program)
     if missing:
         raise UnsupportedOperatorError(missing)
-    return from_exported_program(program, keep_params_as_input=False, custom_convert_map=CONVERTERS,
-                                 run_ep_decomposition=False)
+    mod = from_exported_program(program, keep_params_as_input=False, custom_convert_map=CONVERTERS,
+                                run_ep_decomposition=False)
+    return _with_bound_checks(mod, per_input) if per_input else mod
+
+
+def _with_bound_checks(mod: tvm.IRModule, per_input: list) -> tvm.IRModule:
+    """`mod` whose main first checks each symbolic dim against the range declared for it (a Dim's
+    min and max, or (name, min, max)): a length past it is an AssertionError naming the input, the
+    dim and the range, before any kernel runs (a build assumes it: BERT's position table is read
+    up to the declared length)."""
+    main = mod["main"]
+    params = [p for p in main.params if isinstance(p.ty, relax.TensorType)]
+    checks = []
+    for index, (param, dims) in enumerate(zip(params, per_input)):
+        for axis, dim in (dims or {}).items():
+            size = param.ty.shape.values[axis] if param.ty.shape is not None else None
+            low, high = int(dim.min), int(dim.max) if dim.max < 2**62 else None
+            if not isinstance(size, tvm.tirx.Var) or (low < 1 and high is None):
+                continue
+            bound = (f"[{low}, {high}]" if high is not None else f">= {low}")
+            condition = size >= low if high is None else tvm.tirx.And(size >= low, size <= high)
+            checks.append(relax.op.assert_op(
+                relax.prim_value(condition), [relax.prim_value(size)],
+                format=f"tvm_ext: input {index} dim {axis} ({dim.__name__!r}) is {{}}, outside the range {bound} "
+                       "the model was built for (from_torch's dynamic=)"))
+    if not checks:
+        return mod
+    bindings = [relax.VarBinding(relax.Var(f"bound_check{i}", relax.ObjectType()), check) for i, check in enumerate(checks)]
+    body = relax.SeqExpr([relax.BindingBlock(bindings), *main.body.blocks], main.body.body)
+    mod["main"] = relax.Function(main.params, body, main.ret_ty, is_pure=False, attrs=main.attrs)
+    return mod
