@@ -35,7 +35,10 @@ def fits(batch: int, seq_q: int, seq_kv: int, dim: int, causal: bool, warpgroups
          given: dict[str, Operand] | None = None, mask: tuple | None = None) -> bool:
     """Whether `kernel` takes these sizes and operand views: Q, K and V rows copied 16 bytes at a
     time need unit-stride head dims on 16-byte boundaries; offsets must fit in int32. `mask`:
-    (tensor shape, view of the [batch, seq_q, seq_kv] mask in it, dtype)."""
+    (tensor shape, view of the [batch, seq_q, seq_kv] mask in it, dtype). A symbolic length (a
+    tirx expression, no mask) leaves the views to the caller, who checked them at sample lengths."""
+    if not isinstance(seq_q, int) or not isinstance(seq_kv, int):  # a symbolic length: operand views the
+        return dim in HEAD_DIMS and batch > 0 and mask is None and (not causal or seq_q.same_as(seq_kv))  # caller checked
     if not (dim in HEAD_DIMS and seq_q > 0 and seq_kv > 0 and batch > 0 and (not causal or seq_q == seq_kv)):
         return False
     if mask is not None and (tuple(mask[1].shape) != (batch, seq_q, seq_kv) or mask[2] not in MASK_DTYPES
@@ -69,7 +72,7 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
     stage_elems = 2 * kv_elems
     s_regs, o_regs = block_n // 2, dim // 2
     q_tiles, kv_tiles = -(-seq_q // bm), -(-seq_kv // block_n)
-    ragged_q, ragged_kv = seq_q % bm != 0, seq_kv % block_n != 0
+    ragged_q, ragged_kv = (not isinstance(seq, int) or seq % tile != 0 for seq, tile in ((seq_q, bm), (seq_kv, block_n)))
     scale_log2 = float(scale) * LOG2E
     s_mma = f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.f16.f16"
     o_mma = f"wgmma.mma_async.sync.aligned.m64n{dim}k16.f32.f16.f16"

@@ -85,7 +85,8 @@ class StridedView:
 
     def element(self, *indices):
         """The flat offset of the element at these logical indices (ints, numpy arrays or TIR
-        expressions: only +, *, // and % are used)."""
+        expressions: only +, *, // and % are used); sizes and strides may be TIR expressions too
+        (a view over a symbolic length, tvm_ext/relax/attention.py)."""
         total = self.offset
         for index, pieces in zip(indices, self.axes):
             inner = math.prod(size for size, _ in pieces)
@@ -93,7 +94,7 @@ class StridedView:
                 inner //= size
                 if stride == 0:
                     continue
-                term = index // inner if inner > 1 else index
+                term = index if isinstance(inner, int) and inner == 1 else index // inner
                 term = term % size if i > 0 else term
                 total = total + term * stride
         return total

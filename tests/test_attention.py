@@ -168,6 +168,49 @@ def llama(torch, seq=64, hidden=256, heads=2):  # head dim 128, causal
     return LlamaLayer(hidden, heads, 2 * hidden).eval().half(), torch.randn(1, seq, hidden).half()
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_symbolic_length_is_fused_with_views_in_that_length(packed):
+    """The chain is matched at sample lengths and its views fitted as polynomials of the length:
+    one kernel for every length, its grid and clamps in the length."""
+    seq = tvm.tirx.Var("seq", "int64")
+    after = fused(spelled(seq=seq, packed=packed))
+    assert calls_of(after) == ["fused_attention"] and "R.matmul" not in ops_in(after)
+    kernel = kernel_of(after)
+    assert "seq" in kernel and "T.min(" in kernel  # the last tile's rows clamped at the run-time length
+    if packed:
+        assert "R.call_tir(fused_attention, (qkv, qkv, qkv), out_ty=R.Tensor((2, seq, 128)" in ops_in(after)
+
+
+@pytest.mark.parametrize("row_of", [64, 68])
+def test_a_symbolic_length_is_fused_only_where_rows_align_at_every_length(row_of):
+    """Q's batches `row_of` x seq elements apart in `flat`: 68 x seq starts off a 16-byte boundary at
+    odd lengths, where Q is read from its reshaped copy instead, so the match differs by length and
+    the chain stays; 64 x seq always aligns, and the kernel reads Q in `flat`."""
+    seq = tvm.tirx.Var("seq", "int64")
+    flat = relax.Var("flat", relax.TensorType([4, seq * row_of], "float16"))
+    k, v = (relax.Var(x, relax.TensorType([4, seq, 64], "float16")) for x in "kv")
+
+    def body(bb, flat, k, v):
+        q = bb.emit(relax.op.reshape(bb.emit(relax.op.strided_slice(flat, [1], [0], [seq * 64])), [4, seq, 64]))
+        kt = bb.emit(relax.op.permute_dims(k, [0, 2, 1]))
+        s = bb.emit(relax.op.astype(bb.emit(relax.op.matmul(q, kt, out_dtype="float32")), "float16"))
+        p = bb.emit(relax.op.astype(bb.emit(relax.op.nn.softmax(bb.emit(relax.op.astype(s, "float32")))), "float16"))
+        return relax.op.astype(bb.emit(relax.op.matmul(p, v, out_dtype="float32")), "float16")
+
+    assert calls_of(fused(main_module(body, [flat, k, v]))) == (["fused_attention"] if row_of == 64 else [])
+
+
+def test_the_symbolic_llama_layer_has_one_causal_attention_kernel_and_no_mask():
+    torch = pytest.importorskip("torch")
+    module, x = llama(torch)
+    mod = tvm_ext.from_torch(module, x, dynamic={0: {1: "seq"}})
+    with SM_90A:
+        after = fuse_attention(mod)
+    assert calls_of(after) == ["fused_attention"]
+    main = ops_in(after)
+    assert "R.nn.softmax" not in main and "R.greater_equal" not in main  # no causal mask is computed
+
+
 @pytest.mark.parametrize("dim, causal", [(64, False), (128, True)])
 def test_the_cuda_is_two_warpgroup_mmas_around_an_online_softmax(dim, causal):
     func = attention.kernel(4, 128, 128, dim, 1 / math.sqrt(dim), causal).with_attr("global_symbol", "attention")
@@ -636,6 +679,25 @@ def test_fp16_models_with_fused_attention_match_pytorch(make):
     with torch.no_grad():
         want = module.float()(x.float()).numpy()
     np.testing.assert_allclose(got, want, atol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make", [bert, llama], ids=["bert", "llama"])
+def test_fp16_models_built_for_any_length_match_pytorch_at_several(make):
+    torch = pytest.importorskip("torch")
+    module, x = make(torch)
+    executable = tvm_ext.build(tvm_ext.from_torch(module, x, dynamic={0: {1: "seq"}}), "cuda")
+    assert any("attention" in k for k in tvm_ext.cuda_kernels(executable))
+    from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
+
+    main = VirtualMachine(executable, tvm.cuda(0))["main"]
+    for seq in (1, 5, 64, 77, 200):
+        xi = torch.randn(x.shape[0], seq, x.shape[-1]).half()
+        got = main(tvm.runtime.tensor(xi.numpy(), tvm.cuda(0)))
+        got = (got[0] if not hasattr(got, "numpy") else got).numpy().astype("float32")
+        with torch.no_grad():
+            want = module.float()(xi.float()).numpy()
+        np.testing.assert_allclose(got, want, atol=3e-2, err_msg=f"seq {seq}")
 
 
 @pytest.mark.gpu

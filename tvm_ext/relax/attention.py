@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from fractions import Fraction
 
 import numpy as np
 import tvm
@@ -489,6 +490,103 @@ class _Rewriter(relax.PyExprMutator):
         self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
 
 
+# Stand-ins for a symbolic length: the chain is matched at each, and what it reads and writes fitted
+# as polynomials in the length (of degree 2 at most: three lengths fit, the fourth checks). Their
+# residues differ (mod 8 and mod 64): a view whose rows are not 16-byte aligned at every length
+# fails at one of them, and no length is a whole number of tiles.
+SAMPLE_LENGTHS = (67, 130, 201, 268)
+
+
+def _matches(func: relax.Function) -> dict:
+    """{output var: match} of func's attention chains (see `_match`), over static shapes or over
+    one symbolic length (`_matches_at_any_length`)."""
+    lengths = {d for p in func.params if isinstance(p.ty, relax.TensorType) and isinstance(p.ty.shape, relax.ShapeExpr)
+               for d in p.ty.shape.values if isinstance(d, tvm.tirx.Var)}
+    if len(lengths) == 1:
+        return _matches_at_any_length(func, lengths.pop())
+    chain = Bindings(func)
+    masks = _Masks(chain)
+    return {found["sources"]["out"][0]: found for var in chain.value if (found := _match(chain, var, masks)) is not None}
+
+
+def _matches_at_any_length(func: relax.Function, length) -> dict:
+    """The attention chains of `func` whose match at every sample length (SAMPLE_LENGTHS) is the same
+    chain with the same kernel but for sizes and views that are polynomials in `length`: each
+    with its sizes and views as expressions of `length` and its operands as `func`'s variables.
+    A chain with a mask the kernel adds (one that depends on the data) is left as it is."""
+    samples = []
+    for n in SAMPLE_LENGTHS:
+        bound = func.bind_symbolic_vars({length: n})
+        chain = Bindings(bound)
+        masks = _Masks(chain)
+        names = dict(zip([*bound.params, *chain.value], [*func.params, *Bindings(func).value]))  # sample's -> func's
+        samples.append((names, {names[v]: found for v in chain.value if (found := _match(chain, v, masks)) is not None}))
+    found = {}
+    for var in set.intersection(*(set(matches) for _, matches in samples)):
+        runs = [(names, matches[var]) for names, matches in samples]
+        general = _generalised(runs, length)
+        if general is not None:
+            found[general["sources"]["out"][0]] = general
+    return found
+
+
+def _generalised(runs: list, length) -> dict | None:
+    """One match over `length` from the matches at SAMPLE_LENGTHS (with each sample's var -> func's
+    var), or None where they differ in anything but polynomial sizes and views."""
+    first = runs[0][1]
+    if any(m["mask"] is not None or m["causal"] != first["causal"] or m["scale"] != first["scale"] for _, m in runs):
+        return None
+    sources = {}
+    for name in first["sources"]:
+        vars_ = {names.get(m["sources"][name][0]) for names, m in runs if isinstance(m["sources"][name][0], relax.Var)}
+        if len(vars_) != 1 or None in vars_ or len(runs) != sum(isinstance(m["sources"][name][0], relax.Var) for _, m in runs):
+            return None  # computed operands (K transposed by a kernel) or different tensors
+        sources[name] = (vars_.pop(), None)
+    sizes = _fitted([m["sizes"] for _, m in runs], length)
+    given = {name: _fitted([(tuple(m["given"][name][0]), _flat(m["given"][name][1])) for _, m in runs], length)
+             for name in first["given"]}
+    is_length = lambda x: isinstance(x, tvm.tirx.Var) and x.same_as(length)  # noqa: E731
+    if sizes is None or any(g is None for g in given.values()) or not (is_length(sizes[1]) and is_length(sizes[2])):
+        return None
+    if not any(is_length(d) for shape, _ in given.values() for d in shape):
+        return None  # the length must be a dim of a tensor the kernel takes, which defines it there
+    given = {name: (shape, StridedView(*view)) for name, (shape, view) in given.items()}
+    return {**first, "sources": sources, "given": given, "sizes": tuple(sizes)}
+
+
+def _flat(view: StridedView) -> tuple:
+    return view.axes, view.offset
+
+
+def _fitted(samples: list, length):
+    """`samples` (the same nested structure of ints at each of SAMPLE_LENGTHS) as one structure of
+    ints and expressions of `length`, each a polynomial of degree <= 2 with integer coefficients
+    through the first three samples that the fourth agrees with; None where none is."""
+    first = samples[0]
+    if isinstance(first, (tuple, list)):
+        if any(not isinstance(x, (tuple, list)) or len(x) != len(first) for x in samples):
+            return None
+        parts = [_fitted([x[i] for x in samples], length) for i in range(len(first))]
+        return None if any(p is None for p in parts) else type(first)(parts)
+    values = [int(x) for x in samples]
+    if len(set(values)) == 1:
+        return values[0]
+    (x0, x1, x2, x3), (y0, y1, y2, y3) = SAMPLE_LENGTHS, values
+    # Newton's divided differences over the first three lengths, in exact fractions
+    d01, d12 = Fraction(y1 - y0, x1 - x0), Fraction(y2 - y1, x2 - x1)
+    a = (d12 - d01) / (x2 - x0)
+    b = d01 - a * (x0 + x1)
+    c = y0 - a * x0 * x0 - b * x0
+    if any(q.denominator != 1 for q in (a, b, c)) or a * x3 * x3 + b * x3 + c != y3:
+        return None
+    expr = tvm.tirx.const(int(c), str(length.ty)) if c else None
+    for coeff, term in ((b, length), (a, length * length)):
+        if coeff:
+            piece = term if coeff == 1 else term * int(coeff)
+            expr = piece if expr is None else expr + piece
+    return tvm.sym.Analyzer().simplify(expr) if not (a == 0 and b == 1 and c == 0) else length
+
+
 @tvm.transform.module_pass(opt_level=0, name="TVMExtFuseAttention")
 def fuse_attention(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     """Replace each spelled-out attention with the fused kernel where the target has wgmma."""
@@ -499,10 +597,7 @@ def fuse_attention(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     for gv, func in mod.functions_items():
         if not isinstance(func, relax.Function):
             continue
-        chain = Bindings(func)
-        masks = _Masks(chain)
-        matches = {found["sources"]["out"][0]: found for var in chain.value
-                   if (found := _match(chain, var, masks)) is not None}
+        matches = _matches(func)
         if not matches:
             continue
         rewriter = _Rewriter(rewritten, matches)
