@@ -1,8 +1,9 @@
 """Fused softmax attention on Hopper (`wgmma`): softmax(Q K^T * scale [+ mask]) V in one kernel.
 
 FlashAttention's online softmax: no materialized score matrix. Q, K, V and the output may be
-strided views into other tensors. Limits: fp16, head dims 64 and 128, static sizes, finite mask
-values >= MASK_FLOOR; sequences that are not whole tiles run clamped. See
+strided views into other tensors. Limits: fp16, head dims 64 and 128, finite mask values >= MASK_FLOOR
+(no mask with a symbolic length: a scalar parameter of the kernel); sequences that are not whole
+tiles run clamped. See
 docs/design.md#attention and docs/attention.md."""
 
 from __future__ import annotations
@@ -233,7 +234,7 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
             else:
                 out[out_at(bz, qb * bm + row, col)] = result
 
-    if masked:
-        return attention
-    q_buf, k_buf, v_buf, _, out_buf = attention.params  # no mask: the parameter goes
-    return tirx.PrimFunc([q_buf, k_buf, v_buf, out_buf], attention.body, attention.ret_type, attention.attrs)
+    q_buf, k_buf, v_buf, m_buf, out_buf = attention.params  # no mask: the parameter goes
+    lengths = [seq_q] if isinstance(seq_q, tirx.Var) else []  # a symbolic length: passed, as FuseTIR passes dims
+    return tirx.PrimFunc([q_buf, k_buf, v_buf, *([m_buf] if masked else []), *lengths, out_buf], attention.body,
+                         attention.ret_type, attention.attrs)

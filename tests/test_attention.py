@@ -178,7 +178,7 @@ def test_a_symbolic_length_is_fused_with_views_in_that_length(packed):
     kernel = kernel_of(after)
     assert "seq" in kernel and "T.min(" in kernel  # the last tile's rows clamped at the run-time length
     if packed:
-        assert "R.call_tir(fused_attention, (qkv, qkv, qkv), out_ty=R.Tensor((2, seq, 128)" in ops_in(after)
+        assert "R.call_tir(fused_attention, (qkv, qkv, qkv, seq), out_ty=R.Tensor((2, seq, 128)" in ops_in(after)
 
 
 @pytest.mark.parametrize("row_of", [64, 68])

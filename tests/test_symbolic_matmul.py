@@ -81,6 +81,23 @@ def test_the_dispatch_is_a_host_side_compare_on_the_row_count():
     assert len(re.findall(r"R.call_tir\(fused_matmul\w*_v\d+", script)) >= 3, script
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_rows_that_are_an_expression_of_the_length_dispatch_on_it(arch):
+    """BERT's [batch x seq, hidden] rows: the kernels take seq as a scalar parameter, and the
+    dispatch's compare reads the caller's value of it (left undefined, the build failed)."""
+    seq = tirx.Var("seq", "int64")
+    weight = np.ones((256, 128), "float16")
+    x = relax.Var("x", relax.TensorType([2, seq, 128], "float16"))
+
+    def body(bb, x):
+        rows = bb.emit(relax.op.reshape(x, [2 * seq, 128]))
+        return relax.op.astype(bb.emit(relax.op.matmul(rows, relax.op.permute_dims(relax.const(weight)),
+                                                        out_dtype="float32")), "float16")
+
+    kernels = tvm_ext.cuda_kernels(build_quietly(main_module(body, [x]), {"kind": "cuda", "arch": arch}))
+    assert sum(bool(re.search(r"_v\d+_kernel$", k)) for k in kernels) >= 2, kernels
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("n, k", [(4096, 4096), (1536, 768)])

@@ -486,6 +486,7 @@ class _Rewriter(relax.PyExprMutator):
         inputs = [self.builder_.emit(x) if isinstance(x, relax.Call) else x for x in inputs]  # K transposed
         if mask is not None:
             inputs.append(self.visit_expr(mask[0]))
+        inputs += [seq_q] if isinstance(seq_q, tvm.tirx.Var) else []  # the kernel's scalar parameter
         call = relax.call_tir(gv, inputs, relax.TensorType(found["given"]["out"][0], "float16"))
         self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
 
@@ -548,8 +549,6 @@ def _generalised(runs: list, length) -> dict | None:
     is_length = lambda x: isinstance(x, tvm.tirx.Var) and x.same_as(length)  # noqa: E731
     if sizes is None or any(g is None for g in given.values()) or not (is_length(sizes[1]) and is_length(sizes[2])):
         return None
-    if not any(is_length(d) for shape, _ in given.values() for d in shape):
-        return None  # the length must be a dim of a tensor the kernel takes, which defines it there
     given = {name: (shape, StridedView(*view)) for name, (shape, view) in given.items()}
     return {**first, "sources": sources, "given": given, "sizes": tuple(sizes)}
 

@@ -28,10 +28,15 @@ def _call_args(call: relax.Call) -> list:
 
 
 def _shape_bindings(func: tirx.PrimFunc, call: relax.Call) -> dict:
-    """Map the PrimFunc's symbolic dims to the caller's shape expressions."""
-    types = [a.ty for a in _call_args(call)] + _tensor_types(call.ty)
-    bindings = {}
-    for param, ty in zip(func.params, types):
+    """Map the PrimFunc's symbolic dims to the caller's shape expressions: those that are a tensor's
+    dim, and the scalar parameters the call passes (a dim only inside an expression: BERT's
+    2 x seq rows)."""
+    args = _call_args(call)
+    types = [a.ty for a in args if isinstance(a.ty, relax.TensorType)] + _tensor_types(call.ty)
+    buffers = [p for p in func.params if hasattr(p, "shape")]
+    bindings = dict(zip([p for p in func.params if not hasattr(p, "shape")],
+                        [a for a in args if not isinstance(a.ty, relax.TensorType)]))  # PrimValues: the dims
+    for param, ty in zip(buffers, types):
         if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
             continue
         for dim, value in zip(param.shape, ty.shape.values):
