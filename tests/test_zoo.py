@@ -82,23 +82,12 @@ def test_llvm_fp32_runs_and_matches_pytorch(name):
     assert _relative_error(_run(executable, inputs), ref) <= 1e-4
 
 
-MORE_KERNELS_THAN_TVM = pytest.mark.xfail(strict=True, reason="sm_80 has no fused attention to make up for: GPT-2's "
-                                          "LM head is split-K's two kernels and a residual sum is written by its own "
-                                          "kernel beside the LayerNorm; T5's softmax and SDPA's guard after it (a where "
-                                          "whose function also reshapes the probabilities) are two kernels, where TVM "
-                                          "fuses a softmax op with what follows")
-
-
-# (model, dtype, arch) with more kernels than TVM's default, where TVM builds them at all (it cannot
-# build bf16 LayerNorms or bf16 `power`)
-MORE_KERNELS = {("gpt2", "float16", "sm_80"), ("t5_encoder", "float16", "sm_80")}
 # What TVM's default pipeline raises on bf16 models it cannot build
 TVM_BF16_GAPS = ("only support float32 and float16", "power only applies to float")
 
 
 @pytest.mark.parametrize("name, dtype, arch", [
-    pytest.param(n, d, a, marks=[MORE_KERNELS_THAN_TVM] if (n, d, a) in MORE_KERNELS else [])
-    for n in CUDA_MODELS for d in ("float16", "bfloat16") for a in ("sm_90a", "sm_80")])
+    (n, d, a) for n in CUDA_MODELS for d in ("float16", "bfloat16") for a in ("sm_90a", "sm_80")])
 def test_cuda_builds_without_fallback_and_no_more_kernels_than_tvm(name, dtype, arch):
     module, inputs = _model(name, dtype)
     mod = tvm_ext.from_torch(module, *inputs)

@@ -37,6 +37,7 @@ class _Node:
     mergeable: bool = False
     injective: bool = False  # holds a layout change (reshape, transpose): joins only as a private producer
     transposes: bool = False  # moves the innermost axis (a patch embedding's flatten(2).transpose(1, 2))
+    reorders: bool = False  # a layout change other than one reshape (a transpose, a pad: Swin's windows)
     out_shape: tuple | None = None
 
 
@@ -122,6 +123,7 @@ def _classify(mod: tvm.IRModule, node: _Node) -> None:
         elif pattern is None or pattern > INJECTIVE:
             return
         else:
+            node.reorders |= pattern == INJECTIVE and (injective or not _is_reshape(func))  # or a second one
             injective |= pattern == INJECTIVE
             node.transposes |= pattern == INJECTIVE and _moves_innermost(func)
     if any(not _same_signature(s, signatures[0]) for s in signatures):
@@ -129,6 +131,26 @@ def _classify(mod: tvm.IRModule, node: _Node) -> None:
     node.signature = signatures[0] if signatures else None
     node.out_shape = _shape(node.binding.var)
     node.mergeable, node.injective = True, injective
+
+
+def _is_reshape(func: tirx.PrimFunc) -> bool:
+    """Whether `func` is one block copying its input to its output in the same row-major order."""
+    blocks = []
+    tvm_ffi.structural_walk(func.body, (s_tir.SBlock, lambda b: blocks.append(b) if b.iter_vars else None), order="pre")
+    if len(blocks) != 1 or not isinstance(blocks[0].body, tirx.BufferStore):
+        return False
+    store = blocks[0].body
+    load = store.value
+    if not isinstance(load, tvm.ir.TensorLoad):
+        return False
+    analyzer = tvm.sym.Analyzer()
+    for iv in blocks[0].iter_vars:
+        analyzer.bind(iv.var, iv.dom)
+
+    def flat(indices, shape):
+        return functools.reduce(lambda acc, pair: acc * pair[1] + pair[0], zip(indices, shape), tirx.IntImm("int64", 0))
+
+    return analyzer.can_prove_equal(flat(store.indices, store.buffer.shape), flat(load.indices, load.source.shape))
 
 
 def _moves_innermost(func: tirx.PrimFunc) -> bool:
@@ -179,17 +201,20 @@ class _Groups:
     def _fits(self, signature, members) -> bool:
         rows, reduced = signature
         return all(n.signature is not None or _same(n.out_shape, rows) or _same(n.out_shape, reduced)
-                   or _rows_regrouped(n.out_shape, rows) for n in members)
+                   or _rows_regrouped(n.out_shape, rows) and not n.reorders for n in members)
 
     def _shares_layout_change(self, members: list) -> bool:
         """Whether a layout-changing member's value is read outside the group beside another
         member's: the merged function would then write it as an extra output, which the row
         templates do not match (the residual sum before a LLaMA RMSNorm). Private to the group (a
         mask and scale before a softmax), the change is only index arithmetic in the fused kernel;
-        the group's only output (a norm's rows regrouped for the next Linear) is its result."""
+        a reshape that is the group's only output (a norm's rows regrouped for the next Linear) is
+        its result where no member changes the layout otherwise (Swin's windows before its
+        LayerNorm: the templates take one or the other)."""
         inside = {n.index for n in members}
         read_outside = [m for m in members if any(m.index in n.inputs for n in self.nodes if n.index not in inside)]
-        return len(read_outside) > 1 and any(m.injective for m in read_outside)
+        reorders = any(m.reorders for m in members)
+        return any(m.injective and (len(read_outside) > 1 or reorders) for m in read_outside)
 
     def _detour(self, a: int, b: int) -> bool:
         """Whether some path from group a to group b (or back) passes outside both."""
