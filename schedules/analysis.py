@@ -88,6 +88,12 @@ def const_int(expr) -> int | None:
     return int(expr.value) if isinstance(expr, tirx.IntImm) else None
 
 
+def size_of(expr):
+    """A static extent as an int, a symbolic one as the expression itself."""
+    value = const_int(expr)
+    return expr if value is None else value
+
+
 def _product(exprs):
     return reduce(lambda a, b: a * b, exprs)
 

@@ -38,8 +38,8 @@ def fits(batch: int, seq_q: int, seq_kv: int, dim: int, causal: bool, warpgroups
     time need unit-stride head dims on 16-byte boundaries; offsets must fit in int32. `mask`:
     (tensor shape, view of the [batch, seq_q, seq_kv] mask in it, dtype). A symbolic length (a
     tirx expression, no mask) leaves the views to the caller, who checked them at sample lengths."""
-    if not isinstance(seq_q, int) or not isinstance(seq_kv, int):  # a symbolic length: operand views the
-        return dim in HEAD_DIMS and batch > 0 and mask is None and (not causal or seq_q.same_as(seq_kv))  # caller checked
+    if not isinstance(seq_q, int) or not isinstance(seq_kv, int):  # a symbolic length: the caller checked the views
+        return dim in HEAD_DIMS and batch > 0 and mask is None and (not causal or seq_q.same_as(seq_kv))
     if not (dim in HEAD_DIMS and seq_q > 0 and seq_kv > 0 and batch > 0 and (not causal or seq_q == seq_kv)):
         return False
     if mask is not None and (tuple(mask[1].shape) != (batch, seq_q, seq_kv) or mask[2] not in MASK_DTYPES

@@ -12,7 +12,7 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
-from .analysis import const_int, multiply_accumulate
+from .analysis import const_int, multiply_accumulate, size_of
 from .contracts import TENSOR_CORE_DTYPES, WARP
 
 NAME = "matmul"
@@ -216,7 +216,7 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     extents = [x.dom.extent for x in sch.get(block).iter_vars]
     if not static_but_rows(extents):
         return None  # symbolic dims but a row count: tiles cannot be checked to divide them
-    m, n, k = (const_int(e) if const_int(e) is not None else e for e in extents[-3:])
+    m, n, k = (size_of(e) for e in extents[-3:])
     itemsize = operand_itemsize(sch.get(block))
     k_last = k_is_last(sch.get(block))
     tiles = operand_tiles(knobs, k_last)

@@ -19,7 +19,7 @@ from tvm.script import tirx as T
 
 from . import matmul
 from .contracts import GATE_RUN, WGMMA_TYPES, WIDE_TILE, WIDE_TILE_WAVES, gate_column
-from .analysis import const_int, multiply_accumulate, substitute
+from .analysis import const_int, multiply_accumulate, size_of, substitute
 
 NAME = "wgmma_matmul"
 ROWS = 64  # of one warpgroup's m64nNk16
@@ -152,7 +152,7 @@ def _output_bytes(block_m: int, block_n: int) -> int:
 
 def _sizes(found) -> list:
     """The matmul block's extents: batch..., m, n, k (ints; m a PrimExpr where symbolic)."""
-    return [iv.dom.extent if const_int(iv.dom.extent) is None else const_int(iv.dom.extent) for iv in found[0].iter_vars]
+    return [size_of(iv.dom.extent) for iv in found[0].iter_vars]
 
 
 def stage_bytes(block_m: int, block_n: int) -> int:

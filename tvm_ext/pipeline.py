@@ -124,7 +124,7 @@ class ScheduleContractions:
                     [(cond, sch) for cond, _, sch in schedules.contraction_kernels(func, target)]
                 rows = schedules.symbolic_rows(func)
                 gemv = _single_row_kernel(func, rows, target) if rows is not None else None
-                for _, sch in kernels:
+                for sch in [sch for _, sch in kernels] + [gemv]:
                     if sch is not None:
                         check_builds(sch.mod["main"], gv.name_hint, target)
             except Exception as err:  # noqa: BLE001 (a template bug must cost speed, never the build)
@@ -143,8 +143,10 @@ def _single_row_kernel(func: tirx.PrimFunc, rows, target: Target) -> s_tir.Sched
     """dlight's GEMV of a matmul with a symbolic row count `rows` at one row (specialised to 1;
     judged on the portable architecture, as in dlight_defaults), or None where the rule refuses it:
     one row is memory-bound, and a tile of rows would read the weight below bandwidth."""
+    if not isinstance(rows, tirx.Var):
+        return None
     param = next((p for p in func.params if any(d.same_as(rows) for d in getattr(p, "shape", []))), None)
-    if not isinstance(rows, tirx.Var) or param is None:
+    if param is None:
         return None
     one = tirx.decl_buffer([tirx.IntImm(str(rows.ty), 1) if d.same_as(rows) else d for d in param.shape], param.dtype,
                            name=param.name)

@@ -583,7 +583,7 @@ def _fitted(samples: list, length):
         if coeff:
             piece = term if coeff == 1 else term * int(coeff)
             expr = piece if expr is None else expr + piece
-    return tvm.sym.Analyzer().simplify(expr) if not (a == 0 and b == 1 and c == 0) else length
+    return expr if expr is length else tvm.sym.Analyzer().simplify(expr)  # the length itself kept as it is
 
 
 @tvm.transform.module_pass(opt_level=0, name="TVMExtFuseAttention")
