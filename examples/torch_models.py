@@ -1,6 +1,7 @@
 """Real architectures written in PyTorch with random weights (no downloads): what issue-8 users bring.
 
-A LLaMA-style decoder layer (RMSNorm, rotary embedding, causal attention, SwiGLU MLP), a BERT-base
+A LLaMA-style decoder layer (RMSNorm, rotary embedding, causal attention, SwiGLU MLP) and its decoding
+step with a KV cache (`make_decode`), a BERT-base
 encoder layer (LayerNorm, softmax attention, GELU) and a ResNet basic block whose BatchNorm either
 computes batch statistics over (N, H, W) as in training or is folded into the convolutions for
 inference. `CONFIGS` names each model at the sizes we benchmark; `make(name)` returns the module and
@@ -69,6 +70,43 @@ class LlamaLayer(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
+class LlamaDecodeLayer(LlamaLayer):
+    """One decoding step of the LLaMA layer with a KV cache, as Hugging Face's DynamicCache runs it:
+    the new tokens x [b, n, hidden] (n = 1 when decoding) attend to the past keys and values
+    [b, kv_heads, L, head_dim] and their own (causally); returns the output and the cache grown to
+    L + n. `kv_heads` < heads is grouped-query attention (each key/value head serves heads / kv_heads
+    query heads, repeated as transformers' repeat_kv does)."""
+
+    def __init__(self, hidden: int = 4096, heads: int = 32, intermediate: int = 11008, kv_heads: int | None = None):
+        super().__init__(hidden, heads, intermediate)
+        self.kv_heads = kv_heads or heads
+        self.k = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=False)
+        self.v = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=False)
+
+    def forward(self, x, past_k, past_v):
+        b, n, hidden = x.shape
+        start = past_k.shape[2]
+        h = self.input_norm(x)
+        q = self.q(h).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+        k, v = (proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2) for proj in (self.k, self.v))
+        angles = torch.arange(start, start + n, device=x.device).float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
+        group = self.heads // self.kv_heads
+        keys, values = (t[:, :, None].expand(b, self.kv_heads, group, start + n, self.head_dim)
+                        .reshape(b, self.heads, start + n, self.head_dim) for t in (k, v))
+        scores = torch.matmul(q, keys.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        if n > 1:  # a new token sees the cache and the new tokens up to itself
+            mask = torch.triu(torch.full((n, start + n), float("-inf"), device=x.device), diagonal=start + 1)
+            scores = scores + mask.to(scores.dtype)
+        a = torch.matmul(F.softmax(scores.float(), dim=-1).to(q.dtype), values)
+        x = x + self.o(a.transpose(1, 2).reshape(b, n, hidden))
+        h = self.post_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h)), k, v
+
+
 class BertLayer(nn.Module):
     def __init__(self, hidden: int = 768, heads: int = 12, intermediate: int = 3072):
         super().__init__()
@@ -127,6 +165,35 @@ CONFIGS = {
     "resnet-tiny-train-bn": (lambda: ResNetBlock(8, train_stats=True), (4, 8, 8, 8), torch.float32),
     "resnet-tiny-folded-bn": (lambda: ResNetBlock(8, train_stats=False), (4, 8, 8, 8), torch.float32),
 }
+
+
+# decode layers: name -> (constructor, dtype); inputs from `make_decode`
+DECODE_CONFIGS = {
+    "llama-decode": (LlamaDecodeLayer, torch.float16),  # LLaMA-7B: 32 heads, each its own keys and values
+    "llama-decode-gqa": (lambda: LlamaDecodeLayer(4096, 32, 14336, kv_heads=8), torch.float16),  # Mistral-7B's sizes
+    "llama-decode-tiny": (lambda: LlamaDecodeLayer(256, 4, 512, kv_heads=2), torch.float32),  # for CPU tests
+}
+# from_torch's `dynamic` for a decode layer: any batch and cache length up to these bounds
+DECODE_DYNAMIC = {0: {0: ("batch", 1, 64)}, 1: {0: ("batch", 1, 64), 2: ("past", 1, 8191)},
+                  2: {0: ("batch", 1, 64), 2: ("past", 1, 8191)}}
+
+
+def decode_inputs(module: LlamaDecodeLayer, batch: int, past: int, dtype, device="cpu"):
+    """(x, past_k, past_v): one new token per sequence and a cache of `past` positions."""
+    hidden = module.heads * module.head_dim
+    x = torch.randn(batch, 1, hidden, device=device).to(dtype)
+    k, v = (torch.randn(batch, module.kv_heads, past, module.head_dim, device=device).to(dtype) for _ in range(2))
+    return x, k, v
+
+
+def make_decode(name: str, batch: int = 1, past: int = 128, seed: int = 0):
+    """(module in eval mode with `name`'s dtype, (x, past_k, past_v)) for a DECODE_CONFIGS entry."""
+    if name not in DECODE_CONFIGS:
+        raise ValueError(f"unknown decode layer {name!r}; known: {', '.join(DECODE_CONFIGS)}")
+    ctor, dtype = DECODE_CONFIGS[name]
+    torch.manual_seed(seed)
+    module = ctor().eval().to(dtype)
+    return module, decode_inputs(module, batch, past, dtype)
 
 
 def make(name: str, seed: int = 0):

@@ -19,7 +19,7 @@ import tvm_ext
 from conftest import CUDA_TARGET
 
 torch = pytest.importorskip("torch")
-from examples.torch_models import make  # noqa: E402
+from examples.torch_models import DECODE_DYNAMIC, decode_inputs, make, make_decode  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,6 +85,25 @@ def test_a_length_outside_the_declared_range_is_a_clear_error_before_any_kernel(
     for n in (1, 41):
         with pytest.raises(AssertionError, match=rf"input 0 dim 1 \('seq'\) is {n}, outside the range \[2, 40\]"):
             run_model(executable, torch.randn(1, n, x.shape[-1]))
+
+
+def test_decode_layer_with_a_kv_cache_runs_any_batch_and_cache_length_from_one_build():
+    """The cache grows by a concat to `past + 1`, a length no input has: kernels that take it as a
+    scalar once joined into a group that left it undefined, and the build failed."""
+    module, inputs = make_decode("llama-decode-tiny", batch=2, past=37)
+    mod = tvm_ext.from_torch(module, *inputs, dynamic=DECODE_DYNAMIC)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fused function may fall back to TVM's schedules
+        assert tvm_ext.cuda_kernels(tvm_ext.build(mod, CUDA_TARGET))
+    vm = VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())
+    for batch, past in ((1, 1), (3, 100), (2, 37)):
+        inputs = decode_inputs(module, batch, past, torch.float32)
+        with torch.no_grad():
+            want = module(*inputs)
+        got = vm["main"](*(tvm.runtime.tensor(t.numpy()) for t in inputs))
+        assert len(got) == 3 and got[1].shape == (batch, 2, past + 1, 64)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-4, atol=1e-4)
 
 
 def test_an_op_the_frontend_cannot_import_is_named():

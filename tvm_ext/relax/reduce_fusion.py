@@ -82,7 +82,8 @@ def kernel_calls(mod: tvm.IRModule, call: relax.Call) -> tuple[list, dict] | Non
             return None
         dims = {}
         for param, arg in zip(func.params, call.args):
-            for inner, outer in zip(_shape(param) or (), _shape(arg) or ()):
+            passed = arg.values if isinstance(arg, relax.ShapeExpr) else _shape(arg)  # a shape: the dims passed as scalars
+            for inner, outer in zip(param.ty.values if isinstance(arg, relax.ShapeExpr) else _shape(param) or (), passed or ()):
                 if isinstance(inner, tirx.Var):
                     dims[inner] = outer
         return calls, dims
@@ -289,7 +290,8 @@ def _inline(mod, member: _Node, subst: dict, bindings: list) -> None:
             subst[param] = subst.get(arg, arg)
         steps, result = [(b.var, b.value) for block in func.body.blocks for b in block.bindings], func.body.body
     for var, call in steps:
-        args = relax.Tuple([subst.get(a, a) for a in call.args[1].fields])
+        args = relax.Tuple([substitute(a, dims) if isinstance(a.ty, tvm.ir.PrimType) else subst.get(a, a)
+                            for a in call.args[1].fields])
         extra = [relax.ShapeExpr([substitute(v, dims) for v in e.values]) if isinstance(e, relax.ShapeExpr) else e
                  for e in call.args[2:]]
         new_call = relax.Call(call.op, [call.args[0], args, *extra], call.attrs, [_retyped(t, dims) for t in call.ty_args])
@@ -317,8 +319,17 @@ def _group_function(mod, members: list, outputs: list) -> tuple[relax.Function, 
     for m in members:  # tensor constants too: FuseTIR accepts none inside a primitive function
         external += [v for v in _operands(m.binding.value) if isinstance(v, (relax.Var, tvm.ir.expr.GenericConst))
                      and v not in inside and not any(v.same_as(e) for e in external)]
+    # symbolic dims the kernels take as scalars (those no operand's shape defines, as in `past + 1`)
+    # go in as one shape, as FuseOps passes them: a shape parameter defines them for the types inside
+    passed = [d for m in members for v in _operands(m.binding.value)
+              for d in (v.values if isinstance(v, relax.ShapeExpr) else [v] if isinstance(v.ty, tvm.ir.PrimType) else [])]
+    dims = list({str(d): d for d in passed}.values())
+    external = [v for v in external if not isinstance(v.ty, tvm.ir.PrimType)]
     params = [relax.Var(v.name if isinstance(v, relax.Var) else f"const{i}", v.ty) for i, v in enumerate(external)]
     subst, bindings = dict(zip(external, params)), []
+    if dims:
+        external.append(relax.ShapeExpr(dims))
+        params.append(relax.Var("tir_vars", external[-1].ty))
     for m in members:
         _inline(mod, m, subst, bindings)
     read_inside = {v for m in members for v in _operands(m.binding.value)}
