@@ -70,6 +70,15 @@ class LlamaLayer(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
+def repeat_kv(x, group: int):
+    """[b, kv_heads, L, d] -> [b, kv_heads * group, L, d], each head repeated `group` times, as
+    transformers writes it (no op for one query head per key/value head)."""
+    if group == 1:
+        return x
+    b, kv_heads, length, dim = x.shape
+    return x[:, :, None].expand(b, kv_heads, group, length, dim).reshape(b, kv_heads * group, length, dim)
+
+
 class LlamaDecodeLayer(LlamaLayer):
     """One decoding step of the LLaMA layer with a KV cache, as Hugging Face's DynamicCache runs it:
     the new tokens x [b, n, hidden] (n = 1 when decoding) attend to the past keys and values
@@ -94,9 +103,7 @@ class LlamaDecodeLayer(LlamaLayer):
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
-        group = self.heads // self.kv_heads
-        keys, values = (t[:, :, None].expand(b, self.kv_heads, group, start + n, self.head_dim)
-                        .reshape(b, self.heads, start + n, self.head_dim) for t in (k, v))
+        keys, values = repeat_kv(k, self.heads // self.kv_heads), repeat_kv(v, self.heads // self.kv_heads)
         scores = torch.matmul(q, keys.transpose(-1, -2)) / math.sqrt(self.head_dim)
         if n > 1:  # a new token sees the cache and the new tokens up to itself
             mask = torch.triu(torch.full((n, start + n), float("-inf"), device=x.device), diagonal=start + 1)

@@ -89,9 +89,8 @@ class StridedView:
         (a view over a symbolic length, tvm_ext/relax/attention.py)."""
         total = self.offset
         for index, pieces in zip(indices, self.axes):
-            inner = math.prod(size for size, _ in pieces)
             for i, (size, stride) in enumerate(pieces):
-                inner //= size
+                inner = math.prod(n for n, _ in pieces[i + 1:])  # a product, not a quotient: symbolic sizes stay exact
                 if stride == 0:
                     continue
                 term = index if isinstance(inner, int) and inner == 1 else index // inner

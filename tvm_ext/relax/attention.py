@@ -6,6 +6,8 @@ What is matched, which masks are taken and why the result is exact: docs/attenti
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import math
 from fractions import Fraction
@@ -18,7 +20,7 @@ from tvm.ir.expr import GenericConst  # relax constants in 0.27
 from tvm.runtime.vm import VirtualMachine
 from tvm.target import Target
 
-from tvm_ext.schedules import attention
+from tvm_ext.schedules import attention, decode_attention
 from tvm_ext.schedules.contracts import COPY_ELEMS, MASK_DTYPES, MASK_FLOOR
 from tvm_ext.schedules.device import device_of
 from tvm_ext.schedules.strided_view import StridedView
@@ -367,10 +369,13 @@ def _match(chain: Bindings, final, masks: _Masks) -> dict | None:
     given = {name: (view.shape if isinstance(x, relax.Call) else tuple(static_shape(x)), view)
              for name, (x, view) in sources.items()}
     mask_given = None if added is None else (tuple(static_shape(added[0])), added[1], added[2])
-    if not attention.fits(batch, seq_q, seq_kv, dim, causal, given=given, mask=mask_given):
+    decoding = seq_q == 1 and added is None  # one query row: split over the keys instead
+    if not (decode_attention.fits(batch, seq_kv, dim, given) if decoding else
+            attention.fits(batch, seq_q, seq_kv, dim, causal, given=given, mask=mask_given)):
         return None
     return {"sources": sources, "given": given, "sizes": (batch, seq_q, seq_kv, dim), "scale": scale, "causal": causal,
-            "mask": None if added is None else (added[0], mask_given), "empty_rows_zero": added is not None and guard is not None}
+            "mask": None if added is None else (added[0], mask_given), "empty_rows_zero": added is not None and guard is not None,
+            "decoding": decoding}
 
 
 def _permutation(call: relax.Call, rank: int) -> list[int]:
@@ -476,6 +481,9 @@ class _Rewriter(relax.PyExprMutator):
         if found is None:
             super().visit_var_binding_(binding)
             return
+        if found["decoding"]:
+            self._decode(binding, found)
+            return
         batch, seq_q, seq_kv, dim = found["sizes"]
         mask = found["mask"]
         kernel = attention.kernel(batch, seq_q, seq_kv, dim, found["scale"], found["causal"], given=found["given"],
@@ -490,34 +498,56 @@ class _Rewriter(relax.PyExprMutator):
         call = relax.call_tir(gv, inputs, relax.TensorType(found["given"]["out"][0], "float16"))
         self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
 
+    def _decode(self, binding: relax.VarBinding, found: dict) -> None:
+        """Split-KV decoding attention: the chunks' softmax states into a workspace, then combined."""
+        batch, _, seq_kv, dim = found["sizes"]
+        sm_count = device_of(Target.current()).sm_count
+        partial, dims = decode_attention.with_scalar_dims(
+            decode_attention.partial_kernel(batch, seq_kv, dim, found["scale"], sm_count, given=found["given"]), outputs=2)
+        combine, combine_dims = decode_attention.with_scalar_dims(
+            decode_attention.combine_kernel(batch, seq_kv, dim, sm_count, out=found["given"]["out"]))
+        inputs = [self.visit_expr(found["sources"][name][0]) for name in ("q", "k", "v")]
+        inputs = [self.builder_.emit(x) if isinstance(x, relax.Call) else x for x in inputs]  # K transposed
+        attrs = {"op_pattern": OPAQUE, "tirx.is_scheduled": True}
+        partial, combine = (f.without_attr("global_symbol") for f in (partial, combine))  # named after their GlobalVars
+        states = self.builder_.emit(relax.call_tir(
+            self.builder_.add_func(partial.with_attrs(attrs), "fused_decode_attention"), [*inputs, *dims],
+            [relax.TensorType(shape, "float32") for shape in decode_attention.workspace_shapes(batch, dim)]))
+        call = relax.call_tir(self.builder_.add_func(combine.with_attrs(attrs), "fused_decode_attention_combine"),
+                              [self.builder_.emit(relax.TupleGetItem(states, i)) for i in range(2)] + combine_dims,
+                              relax.TensorType(found["given"]["out"][0], "float16"))
+        self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
 
-# Stand-ins for a symbolic length: the chain is matched at each, and what it reads and writes fitted
-# as polynomials in the length (of degree 2 at most: three lengths fit, the fourth checks). Their
-# residues differ (mod 8 and mod 64): a view whose rows are not 16-byte aligned at every length
-# fails at one of them, and no length is a whole number of tiles.
+
+# Stand-ins for a symbolic dim: the chain is matched at each (at every combination, for two dims), and
+# what it reads and writes fitted as polynomials in the dims (of degree 2 at most in each: three
+# values fit, the fourth checks). Their residues differ (mod 8 and mod 64): a view whose rows are
+# not 16-byte aligned at every length fails at one of them, and no length is a whole number of tiles.
 SAMPLE_LENGTHS = (67, 130, 201, 268)
+MAX_SYMBOLIC_DIMS = 2  # 4 ** dims matches: a sequence length, or a batch and a cache length
 
 
 def _matches(func: relax.Function) -> dict:
     """{output var: match} of func's attention chains (see `_match`), over static shapes or over
-    one symbolic length (`_matches_at_any_length`)."""
-    lengths = {d for p in func.params if isinstance(p.ty, relax.TensorType) and isinstance(p.ty.shape, relax.ShapeExpr)
-               for d in p.ty.shape.values if isinstance(d, tvm.tirx.Var)}
-    if len(lengths) == 1:
-        return _matches_at_any_length(func, lengths.pop())
+    its symbolic dims (`_matches_at_any_size`)."""
+    dims = {str(d): d for p in func.params if isinstance(p.ty, relax.TensorType) and isinstance(p.ty.shape, relax.ShapeExpr)
+            for d in p.ty.shape.values if isinstance(d, tvm.tirx.Var)}
+    if dims:
+        return _matches_at_any_size(func, [dims[name] for name in sorted(dims)]) if len(dims) <= MAX_SYMBOLIC_DIMS else {}
     chain = Bindings(func)
     masks = _Masks(chain)
     return {found["sources"]["out"][0]: found for var in chain.value if (found := _match(chain, var, masks)) is not None}
 
 
-def _matches_at_any_length(func: relax.Function, length) -> dict:
-    """The attention chains of `func` whose match at every sample length (SAMPLE_LENGTHS) is the same
-    chain with the same kernel but for sizes and views that are polynomials in `length`: each
-    with its sizes and views as expressions of `length` and its operands as `func`'s variables.
-    A chain with a mask the kernel adds (one that depends on the data) is left as it is."""
+def _matches_at_any_size(func: relax.Function, dims: list) -> dict:
+    """The attention chains of `func` whose match at every combination of sample values of `dims`
+    (SAMPLE_LENGTHS) is the same chain with the same kernel but for sizes and views that are
+    polynomials in the dims: each with its sizes and views as expressions of them and its operands
+    as `func`'s variables. A chain with a mask the kernel adds (one that depends on the data) is left
+    as it is."""
     samples = []
-    for n in SAMPLE_LENGTHS:
-        bound = func.bind_symbolic_vars({length: n})
+    for point in itertools.product(SAMPLE_LENGTHS, repeat=len(dims)):
+        bound = func.bind_symbolic_vars(dict(zip(dims, point)))
         chain = Bindings(bound)
         masks = _Masks(chain)
         names = dict(zip([*bound.params, *chain.value], [*func.params, *Bindings(func).value]))  # sample's -> func's
@@ -525,15 +555,16 @@ def _matches_at_any_length(func: relax.Function, length) -> dict:
     found = {}
     for var in set.intersection(*(set(matches) for _, matches in samples)):
         runs = [(names, matches[var]) for names, matches in samples]
-        general = _generalised(runs, length)
+        general = _generalised(runs, dims)
         if general is not None:
             found[general["sources"]["out"][0]] = general
     return found
 
 
-def _generalised(runs: list, length) -> dict | None:
-    """One match over `length` from the matches at SAMPLE_LENGTHS (with each sample's var -> func's
-    var), or None where they differ in anything but polynomial sizes and views."""
+def _generalised(runs: list, dims: list) -> dict | None:
+    """One match over `dims` from the matches at their sample values (with each sample's var ->
+    func's var), or None where they differ in anything but polynomial sizes and views, or where the
+    query and key lengths are neither one symbolic length (prefill) nor one query row (decoding)."""
     first = runs[0][1]
     if any(m["mask"] is not None or m["causal"] != first["causal"] or m["scale"] != first["scale"] for _, m in runs):
         return None
@@ -543,11 +574,13 @@ def _generalised(runs: list, length) -> dict | None:
         if len(vars_) != 1 or None in vars_ or len(runs) != sum(isinstance(m["sources"][name][0], relax.Var) for _, m in runs):
             return None  # computed operands (K transposed by a kernel) or different tensors
         sources[name] = (vars_.pop(), None)
-    sizes = _fitted([m["sizes"] for _, m in runs], length)
-    given = {name: _fitted([(tuple(m["given"][name][0]), _flat(m["given"][name][1])) for _, m in runs], length)
+    sizes = _fitted([m["sizes"] for _, m in runs], dims)
+    given = {name: _fitted([(tuple(m["given"][name][0]), _flat(m["given"][name][1])) for _, m in runs], dims)
              for name in first["given"]}
-    is_length = lambda x: isinstance(x, tvm.tirx.Var) and x.same_as(length)  # noqa: E731
-    if sizes is None or any(g is None for g in given.values()) or not (is_length(sizes[1]) and is_length(sizes[2])):
+    if sizes is None or any(g is None for g in given.values()):
+        return None
+    seq_q, seq_kv = sizes[1:3]
+    if not (seq_q == 1 if isinstance(seq_q, int) else isinstance(seq_q, tvm.tirx.Var) and seq_q.same_as(seq_kv)):
         return None
     given = {name: (shape, StridedView(*view)) for name, (shape, view) in given.items()}
     return {**first, "sources": sources, "given": given, "sizes": tuple(sizes)}
@@ -557,46 +590,78 @@ def _flat(view: StridedView) -> tuple:
     return view.axes, view.offset
 
 
-def _fitted(samples: list, length):
-    """`samples` (the same nested structure of ints at each of SAMPLE_LENGTHS) as one structure of
-    ints and expressions of `length`, each a polynomial of degree <= 2 with integer coefficients
-    through the first three samples that the fourth agrees with; None where none is."""
+def _fitted(samples: list, dims: list):
+    """`samples` (the same nested structure of ints at each combination of sample values of `dims`,
+    in `itertools.product` order) as one structure of ints and expressions of the dims, each a
+    polynomial with integer coefficients of degree <= 2 in each dim, through the first three
+    values of a dim that the fourth agrees with; None where none is."""
     first = samples[0]
     if isinstance(first, (tuple, list)):
         if any(not isinstance(x, (tuple, list)) or len(x) != len(first) for x in samples):
             return None
-        parts = [_fitted([x[i] for x in samples], length) for i in range(len(first))]
+        parts = [_fitted([x[i] for x in samples], dims) for i in range(len(first))]
         return None if any(p is None for p in parts) else type(first)(parts)
-    values = [int(x) for x in samples]
-    if len(set(values)) == 1:
-        return values[0]
+    points = dict(zip(itertools.product(SAMPLE_LENGTHS, repeat=len(dims)), (int(x) for x in samples)))
+    terms = _polynomial(points)
+    if terms is None:
+        return None
+    if all(sum(powers) == 0 for powers in terms):
+        return terms.get((0,) * len(dims), 0)
+    powers = next(iter(terms))
+    if len(terms) == 1 and terms[powers] == 1 and sorted(powers) == [0] * (len(dims) - 1) + [1]:
+        return dims[powers.index(1)]  # a dim itself, kept as it is
+    expr = None
+    for powers, coeff in sorted(terms.items()):
+        term = functools.reduce(lambda a, b: a * b, [d for d, n in zip(dims, powers) for _ in range(n)],
+                                tvm.tirx.const(coeff, str(dims[0].ty)))
+        expr = term if expr is None else expr + term
+    return tvm.sym.Analyzer().simplify(expr)
+
+
+def _polynomial(points: dict) -> dict | None:
+    """{powers of each dim: integer coefficient} of the polynomial through `points` ({sample values
+    of each dim: value}), fitted dim by dim (the first dim's coefficients are polynomials in the
+    rest); None where a coefficient is not an integer or a fourth value disagrees."""
+    if next(iter(points)) == ():
+        return {(): points[()]}
+    per_value = [_polynomial({p[1:]: y for p, y in points.items() if p[0] == x}) for x in SAMPLE_LENGTHS]
+    if any(p is None for p in per_value):
+        return None
+    terms = {}
+    for rest in set().union(*per_value):
+        coeffs = _quadratic([p.get(rest, 0) for p in per_value])
+        if coeffs is None:
+            return None
+        terms.update({(power, *rest): c for power, c in enumerate(coeffs) if c})
+    return terms
+
+
+def _quadratic(values: list) -> tuple | None:
+    """(c, b, a) integers with a x^2 + b x + c through the values at SAMPLE_LENGTHS, or None."""
     (x0, x1, x2, x3), (y0, y1, y2, y3) = SAMPLE_LENGTHS, values
-    # Newton's divided differences over the first three lengths, in exact fractions
+    # Newton's divided differences over the first three, in exact fractions
     d01, d12 = Fraction(y1 - y0, x1 - x0), Fraction(y2 - y1, x2 - x1)
     a = (d12 - d01) / (x2 - x0)
     b = d01 - a * (x0 + x1)
     c = y0 - a * x0 * x0 - b * x0
     if any(q.denominator != 1 for q in (a, b, c)) or a * x3 * x3 + b * x3 + c != y3:
         return None
-    expr = tvm.tirx.const(int(c), str(length.ty)) if c else None
-    for coeff, term in ((b, length), (a, length * length)):
-        if coeff:
-            piece = term if coeff == 1 else term * int(coeff)
-            expr = piece if expr is None else expr + piece
-    return expr if expr is length else tvm.sym.Analyzer().simplify(expr)  # the length itself kept as it is
+    return int(c), int(b), int(a)
 
 
 @tvm.transform.module_pass(opt_level=0, name="TVMExtFuseAttention")
 def fuse_attention(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    """Replace each spelled-out attention with the fused kernel where the target has wgmma."""
+    """Replace each spelled-out attention with fused kernels on CUDA: one query row (decoding) on
+    any architecture, longer queries where the target has wgmma."""
     target = Target.current()
-    if target is None or not device_of(target).wgmma:
+    if target is None or target.kind.name != "cuda":
         return mod
+    wgmma = device_of(target).wgmma
     rewritten = mod
     for gv, func in mod.functions_items():
         if not isinstance(func, relax.Function):
             continue
-        matches = _matches(func)
+        matches = {var: m for var, m in _matches(func).items() if m["decoding"] or wgmma}
         if not matches:
             continue
         rewriter = _Rewriter(rewritten, matches)

@@ -1,0 +1,149 @@
+"""Decoding attention: one query row per head over a key/value cache, split over the keys
+(schedules/decode_attention.py). Which chains the pass gives it (any batch and cache length from one
+build, GQA, any CUDA architecture), the polynomial fit over two symbolic dims, and (GPU) the kernels'
+numbers alone and inside the decode layer of examples/torch_models.py."""
+
+import math
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import tvm_ext
+from bench.spelled import main_module
+from tvm_ext.relax.attention import SAMPLE_LENGTHS, _fitted, fuse_attention
+from tvm_ext.schedules import decode_attention
+
+SM_90A = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+SM_80 = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})
+
+
+def decode_chain(batch, past, heads=4, kv_heads=2, dim=128) -> tvm.IRModule:
+    """A new token's q [batch, heads, 1, dim] against the cache [batch, kv_heads, past, dim] each
+    query head's keys and values repeated from its group's, spelled out as the frontend imports it."""
+    group, n = heads // kv_heads, batch * heads
+    q = relax.Var("q", relax.TensorType([batch, heads, 1, dim], "float16"))
+    k, v = (relax.Var(x, relax.TensorType([batch, kv_heads, past, dim], "float16")) for x in "kv")
+
+    def repeated(bb, x):
+        wide = bb.emit(relax.op.broadcast_to(bb.emit(relax.op.expand_dims(x, [2])), [batch, kv_heads, group, past, dim]))
+        return bb.emit(relax.op.reshape(wide, [batch, heads, past, dim]))
+
+    def body(bb, q, k, v):
+        kt = bb.emit(relax.op.reshape(bb.emit(relax.op.permute_dims(repeated(bb, k), [0, 1, 3, 2])), [n, dim, past]))
+        s = bb.emit(relax.op.matmul(bb.emit(relax.op.reshape(q, [n, 1, dim])), kt, out_dtype="float32"))
+        s = bb.emit(relax.op.divide(s, relax.const(math.sqrt(dim), "float32")))
+        p = bb.emit(relax.op.astype(bb.emit(relax.op.nn.softmax(s)), "float16"))
+        o = bb.emit(relax.op.matmul(p, bb.emit(relax.op.reshape(repeated(bb, v), [n, past, dim])), out_dtype="float32"))
+        return relax.op.astype(o, "float16")
+
+    return main_module(body, [q, k, v])
+
+
+def fused(mod, target=SM_90A) -> tvm.IRModule:
+    with target:
+        return fuse_attention(mod)
+
+
+def calls_of(mod) -> list[str]:
+    return sorted(gv.name_hint for gv in mod.get_global_vars() if gv.name_hint != "main")
+
+
+@pytest.mark.parametrize("target", [SM_90A, SM_80])
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_one_query_row_is_split_over_the_keys_on_any_cuda_architecture(target, symbolic):
+    batch, past = (tvm.tirx.Var("batch", "int64"), tvm.tirx.Var("past", "int64")) if symbolic else (3, 300)
+    after = fused(decode_chain(batch, past), target)
+    assert calls_of(after) == ["fused_decode_attention", "fused_decode_attention_combine"]
+    main = after["main"].script()
+    assert "R.nn.softmax" not in main and "R.matmul" not in main and "R.broadcast_to" not in main
+    if symbolic:  # rows are batch x heads: the combine kernel, reading the workspace alone, takes both dims
+        assert "(q, k, v)" in main and "R.Tensor((batch * 4, 32, 128)" in main and "(lv1, lv2, batch, past)" in main
+
+
+def test_the_key_view_repeats_each_cache_head_for_its_query_heads():
+    kernel = fused(decode_chain(2, 100))["fused_decode_attention"].script()
+    assert "// 2" in kernel  # query head -> its cache head: heads / kv_heads = 2
+
+
+def test_targets_off_cuda_keep_the_spelled_out_chain():
+    assert calls_of(fused(decode_chain(2, 100), tvm.target.Target("llvm"))) == []
+
+
+def test_sizes_over_two_symbolic_dims_are_fitted_as_polynomials_in_both():
+    b, n = tvm.tirx.Var("b", "int64"), tvm.tirx.Var("n", "int64")
+    points = [(x, y) for x in SAMPLE_LENGTHS for y in SAMPLE_LENGTHS]
+    fitted = _fitted([(x * 4 * (y + 1) * 128, x, y + 1, 7) for x, y in points], [b, n])
+    analyzer = tvm.sym.Analyzer()
+    assert analyzer.can_prove_equal(fitted[0], b * (n + 1) * 512) and fitted[1] is b and fitted[3] == 7
+    assert analyzer.can_prove_equal(fitted[2], n + 1)
+    assert _fitted([x * y * y * y for x, y in points], [b, n]) is None  # degree 3: no fit
+
+
+def test_splits_fill_the_gpu_and_keep_chunks_long():
+    assert decode_attention.splits(32, 4096, 132) == 17  # 528 blocks aimed for
+    assert decode_attention.splits(1024, 4096, 132) == 1
+    assert decode_attention.splits(1, 100, 132) == 2  # chunks of 64 keys at least
+    assert decode_attention.splits(1, 10**6, 132) == decode_attention.MAX_SPLITS
+
+
+def test_sizes_the_kernel_does_not_take_are_a_clear_error():
+    with pytest.raises(ValueError, match="dim=96"):
+        decode_attention.partial_kernel(4, 128, 96, 0.1, 132)
+
+
+def _run_kernels(torch, batch, seq_kv, dim, q, k, v):
+    """The partial and combine kernels built alone for these static sizes, on q [batch, 1, dim] and
+    k, v [batch, seq_kv, dim]."""
+    scale = 1 / math.sqrt(dim)
+    target = tvm_ext.parse_target("cuda")
+    sm_count = tvm_ext.schedules.device.device_of(target).sm_count
+    mod = tvm.IRModule({"partial": decode_attention.partial_kernel(batch, seq_kv, dim, scale, sm_count)
+                        .with_attr("global_symbol", "partial"),
+                        "combine": decode_attention.combine_kernel(batch, seq_kv, dim, sm_count)
+                        .with_attr("global_symbol", "combine")})
+    lib = tvm.compile(mod, target=target)
+    values, max_sum = (torch.zeros(shape, device="cuda") for shape in decode_attention.workspace_shapes(batch, dim))
+    out = torch.full_like(q, float("nan"))
+    lib["partial"](*[tvm.runtime.from_dlpack(x) for x in (q, k, v, values, max_sum)])
+    lib["combine"](*[tvm.runtime.from_dlpack(x) for x in (values, max_sum, out)])
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, seq_kv, dim", [(32, 1, 128), (4, 63, 64), (32, 1000, 128), (2, 4097, 128),
+                                                (8, 300, 256), (1, 70000, 64)])
+def test_kernels_match_float64_attention(batch, seq_kv, dim):
+    torch = pytest.importorskip("torch")
+    q = torch.randn(batch, 1, dim, device="cuda").half()
+    k = torch.randn(batch, seq_kv, dim, device="cuda").half() * 3  # scores spread over a wide range
+    v = torch.randn(batch, seq_kv, dim, device="cuda").half()
+    out = _run_kernels(torch, batch, seq_kv, dim, q, k, v)
+    scores = (q.double() @ k.double().transpose(1, 2)) / math.sqrt(dim)
+    want = torch.softmax(scores, -1) @ v.double()
+    assert float((out.double() - want).abs().max()) < 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama-decode-tiny", "llama-decode-gqa-tiny"])
+def test_decode_layer_built_once_matches_pytorch_at_every_batch_and_cache_length(name):
+    torch = pytest.importorskip("torch")
+    from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
+
+    from examples.torch_models import DECODE_DYNAMIC, LlamaDecodeLayer, decode_inputs  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    module = LlamaDecodeLayer(512, 4, 1024, kv_heads=4 if name == "llama-decode-tiny" else 2).eval().half()
+    mod = tvm_ext.from_torch(module, *decode_inputs(module, 2, 37, torch.float16), dynamic=DECODE_DYNAMIC)
+    executable = tvm_ext.build(mod, "cuda")
+    assert any("decode_attention" in k for k in tvm_ext.cuda_kernels(executable))
+    main = VirtualMachine(executable, tvm.cuda(0))["main"]
+    for batch, past in ((1, 1), (1, 127), (3, 500), (8, 2047), (2, 5000)):
+        inputs = decode_inputs(module, batch, past, torch.float16)
+        got = main(*(tvm.runtime.tensor(t.numpy(), tvm.cuda(0)) for t in inputs))
+        with torch.no_grad():
+            want = module.float()(*(t.float() for t in inputs))
+        for g, w, what in zip(got, want, ("output", "keys", "values")):
+            np.testing.assert_allclose(g.numpy().astype("float32"), w.numpy(), atol=3e-2,
+                                       err_msg=f"{what} at batch {batch}, past {past}")
