@@ -193,8 +193,9 @@ def decode_inputs(module: LlamaDecodeLayer, batch: int, past: int, dtype, device
     return x, k, v
 
 
-def make_decode(name: str, batch: int = 1, past: int = 128, seed: int = 0):
-    """(module in eval mode with `name`'s dtype, (x, past_k, past_v)) for a DECODE_CONFIGS entry."""
+def make_decode(name: str, batch: int = 2, past: int = 128, seed: int = 0):
+    """(module in eval mode with `name`'s dtype, (x, past_k, past_v)) for a DECODE_CONFIGS entry. A
+    batch of 2: torch.export takes a dim whose example is 1 for always 1."""
     if name not in DECODE_CONFIGS:
         raise ValueError(f"unknown decode layer {name!r}; known: {', '.join(DECODE_CONFIGS)}")
     ctor, dtype = DECODE_CONFIGS[name]

@@ -164,3 +164,34 @@ def test_bool_outputs_are_right_on_the_gpu(rng):
     dev = tvm.cuda()
     out = VirtualMachine(tvm_ext.build(mask_to_bool(), "cuda"), dev)["main"](tvm.runtime.tensor(m, dev)).numpy()
     np.testing.assert_array_equal(out, m.astype(bool))
+
+
+def cache_append(dtype="float16"):
+    """A KV cache grown by one position: concat([batch, heads, past, 128], [batch, heads, 1, 128]) along
+    the positions, batch and past symbolic."""
+    batch, past = tvm.tirx.Var("batch", "int64"), tvm.tirx.Var("past", "int64")
+    cache = relax.Var("cache", relax.TensorType([batch, 4, past, 128], dtype))
+    new = relax.Var("new", relax.TensorType([batch, 4, 1, 128], dtype))
+    return main_module(lambda bb, cache, new: op.concat([cache, new], axis=2), [cache, new])
+
+
+@pytest.mark.parametrize("dtype, vector", [("float16", "uint4"), ("float32", "float4")])
+def test_symbolic_rows_take_a_16_byte_vector_per_thread(dtype, vector):
+    """With a symbolic outer extent the fused index is split by 64-bit divisions: once per 16-byte
+    vector of a row, not once per element (4 half elements a thread, looped one at a time)."""
+    source = cuda_source(tvm_ext.build(cache_append(dtype), CUDA_TARGET))
+    assert f"__launch_bounds__({elementwise.THREADS})" in source and f"*({vector}*)" in source
+    assert "for (" not in source.split("concatenate_kernel(")[-1]  # no loop over a thread's lanes
+
+
+@pytest.mark.gpu
+def test_a_symbolic_cache_append_is_right_on_the_gpu(rng):
+    from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
+
+    dev = tvm.cuda()
+    main = VirtualMachine(tvm_ext.build(cache_append(), "cuda"), dev)["main"]
+    for batch, past in ((1, 1), (3, 77), (2, 4095)):
+        cache = rng.standard_normal((batch, 4, past, 128)).astype("float16")
+        new = rng.standard_normal((batch, 4, 1, 128)).astype("float16")
+        out = main(tvm.runtime.tensor(cache, dev), tvm.runtime.tensor(new, dev)).numpy()
+        np.testing.assert_array_equal(out, np.concatenate([cache, new], axis=2))
