@@ -9,7 +9,7 @@ and values, and return the output and the cache grown by one. Per (batch, cache 
 (medians of `triton.testing.do_bench`, L2 flushed) and device time (torch.profiler, kernels back to
 back; ours built without programmatic dependent launch), tokens per second, and the bytes a step
 must move (weights, the cache read, the grown cache written) over our device time against the copy
-bandwidth. torch.compile with CUDA graphs (`mode="reduce-overhead"`) is compiled per shape and its
+bandwidth, and our kernels' device times. torch.compile with CUDA graphs (`mode="reduce-overhead"`) is compiled per shape and its
 outputs are used as the graph leaves them (valid until its next call). Outputs are checked against
 eager. Writes NAME.json and NAME.md after each shape, so a run cut short keeps what it measured.
 """
@@ -25,11 +25,12 @@ import tvm_ext
 
 import torch  # noqa: E402  pylint: disable=wrong-import-order
 
-from bench.e2e import build_serial_launch, device_us
+from bench.e2e import REPEATS, _device_events, build_serial_launch, device_us
 from bench.run import copy_gbps, max_err, time_us, tvm_callable
 from examples.torch_models import DECODE_DYNAMIC, decode_inputs, make_decode
 
 IMPLS = ("ours", "torch_dynamic", "torch_graphs", "eager")
+KERNELS = 8  # of ours per shape in the breakdown, most time first
 DEVICE_TIMED = {"ours": "ours_serial", "torch_dynamic": "torch_dynamic", "torch_graphs": "torch_graphs"}
 
 
@@ -78,6 +79,8 @@ def run_model(name: str, batches: list[int], lengths: list[int], result: dict, l
                         run[f"{impl}_error"] = str(err).splitlines()[0][:300]
                 for impl, timed in DEVICE_TIMED.items():
                     run[f"{impl}_device_us"] = device_us(impls[timed], args) if run.get(f"{impl}_us") else None
+                events = sorted(_device_events(impls["ours_serial"], args), key=lambda e: -e[1] * e[0].count)
+                run["kernels"] = [{"kernel": e.key, "us": us, "calls": e.count / REPEATS} for e, us in events[:KERNELS]]
                 result["runs"].append(run)
                 log(f"{name} {run}")
                 save()
@@ -107,6 +110,10 @@ def markdown(results: list[dict], copy: float) -> str:
                          f"{ratio('torch_dynamic')} | {pair('torch_graphs')} | {ratio('torch_graphs')} | "
                          f"{x['eager_us']:.1f} | " + (f"{gbps:.0f} | {gbps / copy:.0%}" if gbps else "- | -")
                          + f" | {x['max_abs_err']:.3g} |")
+        lines += ["", "Our kernels per step, most time first (device us x calls, serial launch):", ""]
+        lines += [f"- batch {x['batch']}, past {x['past']}: " + ", ".join(
+            f"{k['kernel'].removesuffix('_kernel')} {k['us']:.1f} x{k['calls']:.0f}" for k in x.get("kernels", []))
+            for x in r["runs"]]
         lines.append("")
     return "\n".join(lines)
 

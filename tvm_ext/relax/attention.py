@@ -1,4 +1,5 @@
-"""Spelled-out softmax attention becomes one fused kernel (schedules/attention.py) on sm_90a.
+"""Spelled-out softmax attention becomes one fused kernel (schedules/attention.py) on sm_90a, and
+one query row (decoding) split-KV kernels (schedules/decode_attention.py) on any CUDA GPU.
 
 matmul(q, k^T) -> scale -> [+ mask] -> softmax -> matmul(., v), as PyTorch eager and TVM's SDPA
 import write it, is replaced by a call that reads q, k, v (GQA too) and writes through views.
