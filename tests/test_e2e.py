@@ -74,6 +74,17 @@ def test_llama_with_symbolic_sequence_runs_every_length_from_one_build():
         np.testing.assert_allclose(run_model(executable, xi), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["bert-tiny", "llama-tiny"])
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_fp16_layers_built_for_any_length_compile_to_cuda(name, arch):
+    """Every kernel through CUDA codegen (which the fallback does not cover): 8-lane half vectors
+    of the elementwise rule at a symbolic length once failed it for BERT's packed projection."""
+    module, x = make(name)
+    mod = tvm_ext.from_torch(module.half(), x.half(), dynamic={0: {1: ("seq", 1, 512)}})
+    source = tvm_ext.cuda_source(tvm_ext.build(mod, {"kind": "cuda", "arch": arch}))
+    assert source.count("__global__") >= 10
+
+
 def test_a_length_outside_the_declared_range_is_a_clear_error_before_any_kernel():
     """TVM plans memory for the declared bound (tir_var_upper_bound): past it, kernels would write
     past their buffers."""

@@ -175,13 +175,22 @@ def cache_append(dtype="float16"):
     return main_module(lambda bb, cache, new: op.concat([cache, new], axis=2), [cache, new])
 
 
-@pytest.mark.parametrize("dtype, vector", [("float16", "uint4"), ("float32", "float4")])
-def test_symbolic_rows_take_a_16_byte_vector_per_thread(dtype, vector):
-    """With a symbolic outer extent the fused index is split by 64-bit divisions: once per 16-byte
-    vector of a row, not once per element (4 half elements a thread, looped one at a time)."""
+@pytest.mark.parametrize("dtype, vector", [("float16", "half4"), ("float32", "float4")])
+def test_symbolic_rows_take_a_vector_per_thread(dtype, vector):
+    """With a symbolic outer extent the fused index is split by 64-bit divisions: once per vector
+    of a row, not once per element (4 half elements a thread, looped one at a time)."""
     source = cuda_source(tvm_ext.build(cache_append(dtype), CUDA_TARGET))
     assert f"__launch_bounds__({elementwise.THREADS})" in source and f"*({vector}*)" in source
     assert "for (" not in source.split("concatenate_kernel(")[-1]  # no loop over a thread's lanes
+
+
+def test_a_symbolic_squeezed_slice_builds():
+    """BERT's q of its packed projection at a symbolic length, [3, 2, 4, seq, 32] sliced at 1 and
+    squeezed: with 8-lane half vectors CUDA codegen failed (and the build with it)."""
+    seq = tvm.tirx.Var("seq", "int64")
+    x = relax.Var("x", relax.TensorType([3, 2, 4, seq, 32], "float16"))
+    mod = main_module(lambda bb, x: op.squeeze(op.strided_slice(x, axes=[0], begin=[1], end=[2]), [0]), [x])
+    assert "*(half4*)" in cuda_source(tvm_ext.build(mod, CUDA_TARGET))
 
 
 @pytest.mark.gpu
