@@ -152,3 +152,13 @@ def test_decode_layer_built_once_matches_pytorch_at_every_batch_and_cache_length
         for g, w, what in zip(got, want, ("output", "keys", "values")):
             np.testing.assert_allclose(g.numpy().astype("float32"), w.numpy(), atol=3e-2,
                                        err_msg=f"{what} at batch {batch}, past {past}")
+
+
+def test_the_cuda_reads_16_byte_rows_and_sums_a_row_across_its_lanes():
+    from tvm_ext.introspect import cuda_source  # noqa: PLC0415
+
+    source = cuda_source(tvm_ext.build(decode_chain(2, 300), SM_90A))
+    partial = source.split("fused_decode_attention_kernel(")[-1].split("extern \"C\"")[0]
+    assert partial.count("*(uint4*)(k_r") == decode_attention.UNROLL and "__shfl_xor_sync" in partial  # 16 lanes: 4 steps
+    assert partial.count("__shfl_xor_sync") == decode_attention.UNROLL * 4
+    assert "fused_decode_attention_combine_kernel(" in source and "exp2f" in source
