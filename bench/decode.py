@@ -25,23 +25,13 @@ import tvm_ext
 
 import torch  # noqa: E402  pylint: disable=wrong-import-order
 
-from bench.e2e import REPEATS, _device_events, build_serial_launch, device_us
+from bench.e2e import REPEATS, device_events, build_serial_launch, device_us, graphed
 from bench.run import copy_gbps, max_err, time_us, tvm_callable
 from examples.torch_models import DECODE_DYNAMIC, decode_inputs, make_decode
 
 IMPLS = ("ours", "torch_dynamic", "torch_graphs", "eager")
 KERNELS = 8  # of ours per shape in the breakdown, most time first
 DEVICE_TIMED = {"ours": "ours_serial", "torch_dynamic": "torch_dynamic", "torch_graphs": "torch_graphs"}
-
-
-def _graphed(module):
-    """torch.compile with CUDA graphs for each shape; a call is a new step."""
-    compiled = torch.compile(module, mode="reduce-overhead", dynamic=False)
-
-    def call(*args):
-        torch.compiler.cudagraph_mark_step_begin()
-        return compiled(*args)
-    return call
 
 
 def step_bytes(module, batch: int, past: int) -> int:
@@ -63,7 +53,7 @@ def run_model(name: str, batches: list[int], lengths: list[int], result: dict, l
     impls["ours_serial"] = tvm_callable(build_serial_launch(mod, target))
     torch._dynamo.reset()  # pylint: disable=protected-access
     torch._dynamo.config.recompile_limit = 256  # pylint: disable=protected-access
-    impls.update(torch_dynamic=torch.compile(module, dynamic=True), torch_graphs=_graphed(module), eager=module)
+    impls.update(torch_dynamic=torch.compile(module, dynamic=True), torch_graphs=graphed(module, copy_out=False), eager=module)
     with torch.no_grad():
         for batch in batches:
             for past in lengths:
@@ -79,7 +69,7 @@ def run_model(name: str, batches: list[int], lengths: list[int], result: dict, l
                         run[f"{impl}_error"] = str(err).splitlines()[0][:300]
                 for impl, timed in DEVICE_TIMED.items():
                     run[f"{impl}_device_us"] = device_us(impls[timed], args) if run.get(f"{impl}_us") else None
-                events = sorted(_device_events(impls["ours_serial"], args), key=lambda e: -e[1] * e[0].count)
+                events = sorted(device_events(impls["ours_serial"], args), key=lambda e: -e[1] * e[0].count)
                 run["kernels"] = [{"kernel": e.key, "us": us, "calls": e.count / REPEATS} for e, us in events[:KERNELS]]
                 result["runs"].append(run)
                 log(f"{name} {run}")

@@ -53,7 +53,7 @@ def kernel_breakdown(fn, mod, target, args) -> list[dict]:
     parameters). A kernel of function F is named F_kernel (F_kernel_1, ... for several)."""
     reduce_bytes = {t.name: task_bytes(t.func) for t in extract_tasks(mod, target) if is_reduce_subgraph(t.func)}
     rows = []
-    for event, us in _device_events(fn, args):
+    for event, us in device_events(fn, args):
         row = {"kernel": event.key, "us": us, "calls": event.count / REPEATS}
         func = event.key.split("_kernel")[0]
         if func in reduce_bytes:
@@ -62,7 +62,7 @@ def kernel_breakdown(fn, mod, target, args) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"] * r["calls"])
 
 
-def _device_events(fn, args) -> list:
+def device_events(fn, args) -> list:
     """(event, mean device us per occurrence) for each kernel or copy that REPEATS calls of fn run."""
     fn(*args)
     torch.cuda.synchronize()
@@ -77,7 +77,7 @@ def _device_events(fn, args) -> list:
 def device_us(fn, args) -> float:
     """Device time of one call of fn, kernels back to back: what it costs once the host keeps up (the
     wall time of torch.compile's default mode on small models is the host's enqueueing)."""
-    return sum(us * e.count for e, us in _device_events(fn, args)) / REPEATS
+    return sum(us * e.count for e, us in device_events(fn, args)) / REPEATS
 
 
 def build_serial_launch(mod, target, **options):
@@ -93,14 +93,17 @@ def with_full_legalized(mod):
     return relax.transform.LegalizeOps({"relax.full": legalize_full, "relax.full_like": legalize_full})(mod)
 
 
-def _graphed(module):
-    """torch.compile with CUDA graphs (mode="reduce-overhead"), each call a new step whose outputs
-    are copied out (one small copy kernel: the graph's own output buffers are overwritten by the next replay)."""
+def graphed(module, copy_out: bool = True):
+    """torch.compile with CUDA graphs (mode="reduce-overhead"), each call a new step; `copy_out`:
+    its outputs copied out (one small copy kernel: the graph's own output buffers are overwritten by
+    the next replay), else used where the graph leaves them (a decode step's grown KV cache, too
+    large to copy for free)."""
     compiled = torch.compile(module, mode="reduce-overhead", dynamic=False)
 
     def call(*args):
         torch.compiler.cudagraph_mark_step_begin()
-        return torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, compiled(*args))
+        out = compiled(*args)
+        return torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out) if copy_out else out
     return call
 
 
@@ -134,7 +137,7 @@ def run_module(name: str, module, inputs: tuple, database: str | None, log, brea
         for impl, build in {**ours,
                             "tvm_default": lambda: tvm.compile(with_full_legalized(mod), target=plain),
                             "torch_compile": lambda: torch.compile(module, dynamic=False),
-                            "torch_compile_graphs": lambda: _graphed(module)}.items():
+                            "torch_compile_graphs": lambda: graphed(module)}.items():
             started = time.perf_counter()
             try:
                 built[impl] = build()
