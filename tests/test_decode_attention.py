@@ -12,6 +12,7 @@ from tvm import relax
 
 import tvm_ext
 from bench.spelled import main_module
+from tvm_ext.relax import attention as attention_pass
 from tvm_ext.relax.attention import SAMPLE_LENGTHS, _fitted, fuse_attention
 from tvm_ext.schedules import decode_attention
 
@@ -65,6 +66,18 @@ def test_one_query_row_is_split_over_the_keys_on_any_cuda_architecture(target, s
 def test_the_key_view_repeats_each_cache_head_for_its_query_heads():
     kernel = fused(decode_chain(2, 100))["fused_decode_attention"].script()
     assert "// 2" in kernel  # query head -> its cache head: heads / kv_heads = 2
+
+
+def test_a_kernel_that_does_not_build_leaves_the_chain_with_one_warning(monkeypatch):
+    """The kernels go through the TIR half of a build before they replace the chain: one that fails
+    there costs the chain its fusion, not the model its build."""
+    def failing(func, name, target):
+        raise RuntimeError("lowering failed")
+
+    monkeypatch.setattr(attention_pass, "check_builds", failing)
+    with pytest.warns(tvm_ext.FallbackWarning, match="fused_decode_attention: tvm_ext attention kernel failed"):
+        after = fused(decode_chain(2, 100))
+    assert calls_of(after) == [] and "R.nn.softmax" in after["main"].script()
 
 
 def test_targets_off_cuda_keep_the_spelled_out_chain():

@@ -55,6 +55,15 @@ def warn(function: str, rule: str, err: BaseException | str) -> None:
                   stacklevel=3)
 
 
+def warn_build_failed(function: str, err: BaseException, rule: str) -> None:
+    """Warn that building `function` with `rule` raised: as the TIR pass of ours that raised where
+    check_builds found one (a RuleError), else as `rule`."""
+    if isinstance(err, RuleError):
+        warn(function, err.rule, err.cause)
+    else:
+        warn(function, rule, err)
+
+
 @contextlib.contextmanager
 def strict():
     """Inside, the guards raise `RuleError` rather than fall back; yields the list of those raised."""

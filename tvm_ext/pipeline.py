@@ -68,7 +68,7 @@ class ScheduleReductions:
                     if sch is not None:
                         check_builds(sch.mod["main"], gv.name_hint, target)
             except Exception as err:  # noqa: BLE001 (a template bug must cost speed, never the build)
-                _schedule_failed(gv.name_hint, err, "reduction templates")
+                fallback.warn_build_failed(gv.name_hint, err, "tvm_ext reduction templates")
                 continue
             if not kernels or any(sch is None for _, sch in kernels):
                 warnings.warn(f"tvm_ext: {gv.name_hint}: no tvm_ext schedule matches it; falling back to TVM's default "
@@ -128,7 +128,7 @@ class ScheduleContractions:
                     if sch is not None:
                         check_builds(sch.mod["main"], gv.name_hint, target)
             except Exception as err:  # noqa: BLE001 (a template bug must cost speed, never the build)
-                _schedule_failed(gv.name_hint, err, "contraction templates")
+                fallback.warn_build_failed(gv.name_hint, err, "tvm_ext contraction templates")
                 continue
             if kernels and all(sch is not None for _, sch in kernels):
                 # a symbolic row count: int32 twins where the sizes allow (tvm_ext/tir/narrowing.py)
@@ -152,14 +152,6 @@ def _single_row_kernel(func: tirx.PrimFunc, rows, target: Target) -> s_tir.Sched
                            name=param.name)
     with without_arch_specific(target) if target.kind.name == "cuda" else target:
         return dl.gpu.GEMV().apply(func.specialize({param: one}), Target.current(), False)
-
-
-def _schedule_failed(name: str, err: Exception, templates: str) -> None:
-    """Warn that scheduling `name` raised: in a TIR pass of ours (found by check_builds) or a template."""
-    if isinstance(err, fallback.RuleError):
-        fallback.warn(name, err.rule, err.cause)
-    else:
-        fallback.warn(name, f"tvm_ext {templates}", err)
 
 
 def fused_passes(target, **options) -> list:

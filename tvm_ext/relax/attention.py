@@ -16,7 +16,7 @@ from fractions import Fraction
 import numpy as np
 import tvm
 import tvm_ffi
-from tvm import relax
+from tvm import relax, tirx
 from tvm.ir.expr import GenericConst  # relax constants in 0.27
 from tvm.runtime.vm import VirtualMachine
 from tvm.target import Target
@@ -26,6 +26,8 @@ from tvm_ext.schedules.contracts import COPY_ELEMS, MASK_DTYPES, MASK_FLOOR
 from tvm_ext.schedules.device import device_of
 from tvm_ext.schedules.strided_view import StridedView
 
+from .. import fallback
+from ..tir import check_builds
 from .bindings import Bindings, op_name, static_shape
 from .legalize import legalizations
 from .reduce_fusion import OPAQUE
@@ -471,6 +473,27 @@ def _destination(chain: Bindings, final, logical: list[int]) -> tuple:
     return path[-1], view
 
 
+KERNEL_ATTRS = {"op_pattern": OPAQUE, "tirx.is_scheduled": True}
+
+
+def _prefill_kernel(found: dict) -> tirx.PrimFunc:
+    batch, seq_q, seq_kv, dim = found["sizes"]
+    mask = found["mask"]
+    return attention.kernel(batch, seq_q, seq_kv, dim, found["scale"], found["causal"], given=found["given"],
+                            **({} if mask is None else {"mask": mask[1], "empty_rows_zero": found["empty_rows_zero"]}))
+
+
+def _decode_kernels(found: dict) -> tuple:
+    """(partial kernel, its scalar dims, combine kernel, its scalar dims) of split-KV decoding attention."""
+    batch, _, seq_kv, dim = found["sizes"]
+    sm_count = device_of(Target.current()).sm_count
+    partial, dims = decode_attention.with_scalar_dims(
+        decode_attention.partial_kernel(batch, seq_kv, dim, found["scale"], sm_count, given=found["given"]), outputs=2)
+    combine, combine_dims = decode_attention.with_scalar_dims(
+        decode_attention.combine_kernel(batch, seq_kv, dim, sm_count, out=found["given"]["out"]))
+    return partial, dims, combine, combine_dims
+
+
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
     def __init__(self, mod: tvm.IRModule, matches: dict):
@@ -479,42 +502,45 @@ class _Rewriter(relax.PyExprMutator):
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         found = self.matches.get(binding.var)
-        if found is None:
+        kernels = None
+        if found is not None:
+            name = "fused_decode_attention" if found["decoding"] else "fused_attention"
+            try:
+                kernels = _decode_kernels(found) if found["decoding"] else (_prefill_kernel(found),)
+                for func in kernels[::2]:  # the PrimFuncs (a decode kernel is followed by its scalar dims)
+                    check_builds(func, name, Target.current())
+            except Exception as err:  # noqa: BLE001 (a kernel of ours that does not build costs speed, never the build)
+                fallback.warn_build_failed(name, err, "tvm_ext attention kernel")
+                kernels = None
+        if kernels is None:
             super().visit_var_binding_(binding)
-            return
-        if found["decoding"]:
-            self._decode(binding, found)
-            return
-        batch, seq_q, seq_kv, dim = found["sizes"]
-        mask = found["mask"]
-        kernel = attention.kernel(batch, seq_q, seq_kv, dim, found["scale"], found["causal"], given=found["given"],
-                                  **({} if mask is None else {"mask": mask[1], "empty_rows_zero": found["empty_rows_zero"]}))
-        kernel = kernel.without_attr("global_symbol")  # named after its GlobalVar: two attention shapes, two names
-        gv = self.builder_.add_func(kernel.with_attrs({"op_pattern": OPAQUE, "tirx.is_scheduled": True}), "fused_attention")
+        elif found["decoding"]:
+            self._decode(binding, found, *kernels)
+        else:
+            self._prefill(binding, found, kernels[0])
+
+    def _add(self, func: tirx.PrimFunc, name: str) -> relax.GlobalVar:
+        """`func` in the module, named after its GlobalVar (two attention shapes, two names)."""
+        return self.builder_.add_func(func.without_attr("global_symbol").with_attrs(KERNEL_ATTRS), name)
+
+    def _inputs(self, found: dict) -> list:
         inputs = [self.visit_expr(found["sources"][name][0]) for name in ("q", "k", "v")]
-        inputs = [self.builder_.emit(x) if isinstance(x, relax.Call) else x for x in inputs]  # K transposed
-        if mask is not None:
-            inputs.append(self.visit_expr(mask[0]))
+        return [self.builder_.emit(x) if isinstance(x, relax.Call) else x for x in inputs]  # K transposed
+
+    def _prefill(self, binding: relax.VarBinding, found: dict, kernel: tirx.PrimFunc) -> None:
+        seq_q, mask = found["sizes"][1], found["mask"]
+        inputs = self._inputs(found) + ([] if mask is None else [self.visit_expr(mask[0])])
         inputs += [seq_q] if isinstance(seq_q, tvm.tirx.Var) else []  # the kernel's scalar parameter
-        call = relax.call_tir(gv, inputs, relax.TensorType(found["given"]["out"][0], "float16"))
+        call = relax.call_tir(self._add(kernel, "fused_attention"), inputs, relax.TensorType(found["given"]["out"][0], "float16"))
         self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
 
-    def _decode(self, binding: relax.VarBinding, found: dict) -> None:
+    def _decode(self, binding: relax.VarBinding, found: dict, partial, dims, combine, combine_dims) -> None:
         """Split-KV decoding attention: the chunks' softmax states into a workspace, then combined."""
-        batch, _, seq_kv, dim = found["sizes"]
-        sm_count = device_of(Target.current()).sm_count
-        partial, dims = decode_attention.with_scalar_dims(
-            decode_attention.partial_kernel(batch, seq_kv, dim, found["scale"], sm_count, given=found["given"]), outputs=2)
-        combine, combine_dims = decode_attention.with_scalar_dims(
-            decode_attention.combine_kernel(batch, seq_kv, dim, sm_count, out=found["given"]["out"]))
-        inputs = [self.visit_expr(found["sources"][name][0]) for name in ("q", "k", "v")]
-        inputs = [self.builder_.emit(x) if isinstance(x, relax.Call) else x for x in inputs]  # K transposed
-        attrs = {"op_pattern": OPAQUE, "tirx.is_scheduled": True}
-        partial, combine = (f.without_attr("global_symbol") for f in (partial, combine))  # named after their GlobalVars
+        batch, dim = found["sizes"][0], found["sizes"][3]
         states = self.builder_.emit(relax.call_tir(
-            self.builder_.add_func(partial.with_attrs(attrs), "fused_decode_attention"), [*inputs, *dims],
+            self._add(partial, "fused_decode_attention"), [*self._inputs(found), *dims],
             [relax.TensorType(shape, "float32") for shape in decode_attention.workspace_shapes(batch, dim)]))
-        call = relax.call_tir(self.builder_.add_func(combine.with_attrs(attrs), "fused_decode_attention_combine"),
+        call = relax.call_tir(self._add(combine, "fused_decode_attention_combine"),
                               [self.builder_.emit(relax.TupleGetItem(states, i)) for i in range(2)] + combine_dims,
                               relax.TensorType(found["given"]["out"][0], "float16"))
         self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
