@@ -22,6 +22,7 @@ class Device:
     registers_per_sm: int = 65536
     smem_per_sm: int = 228 * 1024  # sm_90; a block also costs 1 KB the driver reserves
     wgmma: bool = False  # warpgroup tensor-core instructions: sm_90a targets only
+    compute: int = 0  # compute capability x 10 (sm_90a: 90); 0 for CPUs
 
     @property
     def is_gpu(self) -> bool:
@@ -55,4 +56,5 @@ def device_of(target: Target) -> Device:
         smem_bytes=_attr(target, "max_shared_memory_per_block", 48 * 1024),
         sm_count=_attr(target, "multi_processor_count", _SM_COUNT.get(arch, 80)),
         wgmma=full_arch == "sm_90a",
+        compute=int(arch[3:]) if arch[3:].isdigit() else 0,
     )

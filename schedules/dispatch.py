@@ -9,7 +9,8 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.target import Target
 
-from . import block_row, column_reduce, conv2d, cpu_rows, grid_reduce, grid_sync, matmul, warp_row, wgmma_matmul
+from . import (block_row, column_reduce, conv2d, cpu_rows, few_row_matmul, grid_reduce, grid_sync, matmul, warp_row,
+               wgmma_matmul)
 from .analysis import ROW, const_int, match
 from .device import device_of
 
@@ -89,23 +90,28 @@ def contraction_template(func: tirx.PrimFunc, target: Target | None = None):
 
 # A matmul with a symbolic row count (a sequence length) gets one kernel per class of row counts,
 # chosen at run time: (the class's largest row count, the row count its tiles are planned for); the
-# last class takes the rest. Classes whose plans agree share a kernel. (A single row, a GEMV, is the
-# pipeline's: dlight's rule on the function specialised to one row.)
+# last class takes the rest. Classes whose plans agree share a kernel. A single row, a GEMV, is the
+# pipeline's (dlight's rule on the function specialised to one row); up to few_row_matmul.MAX_ROWS
+# rows, the few-row template's where it fits (sm_80 and later), else these classes' tiles.
 MATMUL_ROW_CLASSES = [(16, 16), (64, 64), (256, 256), (512, 512), (1024, 1024), (2048, 2048), (None, 8192)]
 
 
 def contraction_kernels(func: tirx.PrimFunc, target: Target) -> list[tuple]:
     """The kernels for a contraction `func` (GPU): [(condition over its symbolic dims, knobs,
     Schedule)], the last condition None; one for static sizes, one per row class
-    (MATMUL_ROW_CLASSES) for a symbolic row count; [] when no template of ours takes it."""
-    template = contraction_template(func, target)
+    (MATMUL_ROW_CLASSES, few_row_matmul for the fewest) for a symbolic row count; [] when no
+    template of ours takes it."""
+    template, device = contraction_template(func, target), device_of(target)
     rows = symbolic_rows(func) if template in (matmul, wgmma_matmul) else None
     if rows is None:
         found = _heuristic(func, target)
         return [(None, *found)] if found else []
-    kernels = []
+    few = few_row_matmul.heuristic(func, device.sm_count) if device.compute >= few_row_matmul.MIN_SM else None
+    kernels = [(rows <= few_row_matmul.MAX_ROWS, *few)] if few else []
     for bound, planned in MATMUL_ROW_CLASSES:
-        found = template.heuristic(func, device_of(target).sm_count, rows=planned)
+        if few and bound is not None and bound <= few_row_matmul.MAX_ROWS:
+            continue
+        found = template.heuristic(func, device.sm_count, rows=planned)
         if found is None:
             return []
         if kernels and kernels[-1][1] == found[0]:

@@ -52,7 +52,7 @@ def accumulator_position(tx, r):
 
 
 def _fit(func: tirx.PrimFunc):
-    """(matmul block, its epilogue folded as `_epilogue` gives it) of a matmul this template
+    """(matmul block, its epilogue folded as `fold_epilogue` gives it) of a matmul this template
     takes, else None."""
     found = matmul.contraction(func, over_c=False)
     if found is None:
@@ -67,7 +67,7 @@ def _fit(func: tirx.PrimFunc):
     m, n, k = (const_int(e) for e in extents[-3:])
     if m is not None and m < ROWS or n % 64 or k % K_TILE or not matmul.k_is_last(block)[0]:
         return None
-    folded = _epilogue(sch, epilogue, block.writes[0].source, extents[:-1])
+    folded = fold_epilogue(sch, epilogue, block.writes[0].source, extents[:-1])
     if folded is None or folded.gated and str(folded.out.dtype) != str(a.source.dtype):  # gated: staged in shared memory
         return None
     return block, folded
@@ -254,7 +254,7 @@ class Epilogue:
         return len(self.loads) == 2
 
 
-def _epilogue(sch, epilogue: list, accumulator: tirx.Buffer, extents: list) -> Epilogue | None:
+def fold_epilogue(sch, epilogue: list, accumulator: tirx.Buffer, extents: list) -> Epilogue | None:
     """The elementwise blocks after the matmul (C's `extents`) as one Epilogue; None when the
     last does not read the accumulator as either kind of Epilogue does, or one before it does not
     inline into it."""

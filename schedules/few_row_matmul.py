@@ -1,0 +1,182 @@
+"""Matmuls of a few rows (a decoding batch): the weight streamed once through `mma.sync`, operands swapped.
+
+With 2-16 rows of X, the smallest wgmma tile (64 rows) wastes most of its work and gives too few
+blocks to read the weight at bandwidth. Here the weight W [n, k] is the mma's A operand (16 of its
+rows a warp) and X's rows its B operand (8 an mma; a second for rows 9-16): C^T = W X^T. Each lane
+loads 16 bytes of two weight rows and of two X rows at the same k per step of 32; the fragment
+layouts take them in registers once k is permuted within the step, the same permutation for both
+operands, which leaves the sum unchanged. A block's warps split k and add their sums in shared
+memory; the epilogue (cast, residual add) follows. fp16 and bf16 on sm_80 and later.
+See docs/design.md#few-row-matmuls."""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.script import tirx as T
+
+from . import matmul
+from .analysis import multiply_accumulate, size_of, substitute
+from .contracts import WGMMA_TYPES
+from .wgmma_matmul import fold_epilogue
+
+NAME = "few_row_matmul"
+MAX_ROWS = 16  # of X: two mma tiles of 8
+WEIGHT_ROWS = 16  # a warp's rows of W: the mma's m16
+STEP = 32  # k of one step: 4 lanes a row, 16 bytes each
+VECTOR = 8  # elements of a lane's 16-byte load
+WARPS = (4, 8)  # per block, each over its share of k
+UNROLL = (2, 4, 8, 16)  # steps whose loads are issued before any is used
+MANY_BLOCKS_PER_SM = 4  # blocks (16 weight rows each) per SM from which small blocks are resident all at once
+LONG_K = 8192  # k from which a block of 4 warps keeps more loads in flight than one of 8
+MMA_TYPES = {"float16": "fp16", "bfloat16": "bf16"}
+MIN_SM = 80  # mma.sync m16n8k16 with fp32 accumulators
+
+
+def _fit(func: tirx.PrimFunc):
+    """(matmul block, folded epilogue, m, n, k) of a `C[i, j] += X[i, k] * W[j, k]` this template
+    takes (fp16/bf16, float32 C, m at most MAX_ROWS or symbolic, k a whole number of 16-byte
+    loads, both operands read along k), else None."""
+    found = matmul.contraction(func, over_c=False)
+    if found is None:
+        return None
+    sch, block_rv, epilogue = found
+    block = sch.get(block_rv)
+    x, _ = multiply_accumulate(block.body)
+    extents = [iv.dom.extent for iv in block.iter_vars]
+    if len(extents) != 3 or str(x.source.dtype) not in WGMMA_TYPES or str(block.writes[0].source.dtype) != "float32" \
+            or not matmul.static_but_rows(extents) or matmul.k_is_last(block) != (True, True):
+        return None
+    m, n, k = (size_of(e) for e in extents)
+    if isinstance(m, int) and m > MAX_ROWS or k % VECTOR:
+        return None
+    folded = fold_epilogue(sch, epilogue, block.writes[0].source, extents[:-1])
+    if folded is None or folded.gated:
+        return None
+    return block, folded, m, n, k
+
+
+def knob_space(func: tirx.PrimFunc) -> list[dict]:
+    """Every (warps, unroll) point, where the template fits."""
+    if _fit(func) is None:
+        return []
+    return [{"strategy": NAME, "warps": w, "unroll": u} for w in WARPS for u in UNROLL]
+
+
+def heuristic(func: tirx.PrimFunc, sm_count: int, rows: int | None = None) -> tuple[dict, s_tir.Schedule] | None:
+    """Many blocks (a wide weight): small blocks with few loads each, resident all at once; else 16
+    steps of loads in flight, 4 warps a block over a long k, 8 over a short one. (H200: 11008 x 4096
+    25 us against 29-36 for the other points; 4096 x 4096 11.3 us; 4096 x 11008 30 us; see
+    docs/design.md#few-row-matmuls.) `rows` is unused: every row count up to MAX_ROWS is one kernel."""
+    found = _fit(func)
+    if found is None:
+        return None
+    _, _, _, n, k = found
+    if -(-n // WEIGHT_ROWS) >= MANY_BLOCKS_PER_SM * sm_count:
+        knobs = {"strategy": NAME, "warps": 4, "unroll": 2}
+    else:
+        knobs = {"strategy": NAME, "warps": 4 if k >= LONG_K else 8, "unroll": 16}
+    return knobs, s_tir.Schedule(func.with_body(_kernel(*found, knobs["warps"], knobs["unroll"])))
+
+
+def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
+    """The kernel for `func` with `knobs` (warps, unroll) as a Schedule of the finished loop nest;
+    None when it does not fit."""
+    found = _fit(func)
+    warps, unroll = int(knobs.get("warps", 0)), int(knobs.get("unroll", 0))
+    if found is None or warps not in WARPS or unroll not in UNROLL:
+        return None
+    return s_tir.Schedule(func.with_body(_kernel(*found, warps, unroll)))
+
+
+def _kernel(block, ep, m, n, k, warps: int, unroll: int) -> tirx.Stmt:
+    """The loop nest, written against the original function's buffers."""
+    x_load, w_load = multiply_accumulate(block.body)
+    row_var, col_var, k_var = (iv.var for iv in block.iter_vars)
+    dtype = str(x_load.source.dtype)
+    kind = MMA_TYPES[dtype]
+    threads = warps * 32
+    steps = -(-k // STEP)
+    per_warp = -(-steps // warps)
+    rounds = -(-per_warp // unroll)
+    guarded = bool(per_warp * warps != steps or per_warp % unroll or k % STEP)  # some lanes' steps lie past k
+    two_tiles = not isinstance(m, int) or m > 8
+    rows_type = "int32" if isinstance(m, int) else str(m.ty)
+    out_n = WEIGHT_ROWS * MAX_ROWS  # C^T elements a warp sums: 16 weight rows x 16 rows of X
+    pitch = MAX_ROWS + 1  # floats per weight row in shared memory: a padded row, reads free of bank conflicts
+
+    def element(load, row, col, kk):
+        """`load`'s element at the matmul's row, column and k."""
+        typed = {var: tirx.Cast(str(var.ty), x) for var, x in ((row_var, row), (col_var, col), (k_var, kk))}
+        return load.source[tuple(substitute(index, typed) for index in load.indices)]
+
+    def result(row, col, value):
+        """What the output holds at (row, col), given C's value there; and the output's indices."""
+        if ep.ivs is None:
+            return value, [tirx.Cast(str(row_var.ty), row), tirx.Cast(str(col_var.ty), col)]
+        bindings = {var: tirx.Cast(str(var.ty), x) for var, x in zip(ep.ivs, (row, col))}
+        return substitute(ep.value, {**bindings, ep.loads[0]: value}), list(bindings.values())
+
+    def step_k(warp, i, u, q):
+        """First k of lane q's 16 bytes in step (round i, slot u) of `warp`, held inside k."""
+        kk = (warp * per_warp + i * unroll + u) * STEP + q * VECTOR
+        return T.min(kk, k - VECTOR) if guarded else kk
+
+    def step_valid(warp, i, u, q):
+        return tirx.And(tirx.And(i * unroll + u < per_warp, warp * per_warp + i * unroll + u < steps),
+                        (warp * per_warp + i * unroll + u) * STEP + q * VECTOR < k)
+
+    @T.prim_func(check_well_formed=False)
+    def kernel():
+        bx = T.launch_thread("blockIdx.x", -(-n // WEIGHT_ROWS))
+        tx = T.launch_thread("threadIdx.x", threads)
+        # per slot: W rows g and g + 8, then X rows g and g + 8; one buffer, so that the scalar reads of
+        # W's keep its element type (a buffer read only in vectors is retyped, and the mma's offsets with it)
+        regs = T.alloc_buffer((unroll * 4 * VECTOR,), dtype, scope="local")
+        a_f = T.alloc_buffer((8,), dtype, scope="local")
+        acc = T.alloc_buffer((8,), "float32", scope="local")  # C^T tiles of X rows 0-7 and 8-15
+        red = T.alloc_buffer((warps * WEIGHT_ROWS * pitch,), "float32", scope="shared")
+        warp, g, q = T.meta_var((tx // 32, tx % 32 // 4, tx % 4))
+        for r in T.unroll(8):
+            acc[r] = T.float32(0)
+        for i in T.serial(rounds):
+            for u in T.unroll(unroll):  # every load of the round first
+                for half in T.unroll(2):
+                    for e in T.vectorized(VECTOR):
+                        regs[(u * 4 + half) * VECTOR + e] = element(
+                            w_load, 0, T.min(bx * WEIGHT_ROWS + g + half * 8, n - 1), step_k(warp, i, u, q) + e)
+                for e in T.vectorized(VECTOR):
+                    regs[(u * 4 + 2) * VECTOR + e] = element(x_load, T.min(g, m - 1), 0, step_k(warp, i, u, q) + e)
+                if two_tiles:
+                    if m > 8:
+                        for e in T.vectorized(VECTOR):
+                            regs[(u * 4 + 3) * VECTOR + e] = element(x_load, T.min(g + 8, m - 1), 0, step_k(warp, i, u, q) + e)
+            for u in T.unroll(unroll):
+                if guarded:  # a step past k adds nothing
+                    for e in T.unroll(2 * VECTOR):
+                        regs[(u * 4 + 2) * VECTOR + e] = T.if_then_else(step_valid(warp, i, u, q),
+                                                                         regs[(u * 4 + 2) * VECTOR + e], T.Cast(dtype, 0))
+                for s in T.unroll(2):  # the step's two k16 mmas: lane q's k 8q + 4s .. 8q + 4s + 3
+                    for r in T.unroll(8):  # A's registers: (row g, k 0-1), (g + 8, k 0-1), (g, k 2-3), (g + 8, k 2-3)
+                        a_f[r] = regs[(u * 4 + r // 2 % 2) * VECTOR + s * 4 + r // 4 * 2 + r % 2]
+                    T.evaluate(T.ptx_legacy.mma("m16n8k16", "row", "col", kind, kind, "fp32", a_f.data, 0,
+                                                regs.data, (u * 4 + 2) * VECTOR + s * 4, acc.data, 0, False, dtype="float32"))
+                    if two_tiles:
+                        if m > 8:
+                            T.evaluate(T.ptx_legacy.mma("m16n8k16", "row", "col", kind, kind, "fp32", a_f.data, 0,
+                                                        regs.data, (u * 4 + 3) * VECTOR + s * 4, acc.data, 4, False,
+                                                        dtype="float32"))
+        for r in T.unroll(8):  # C^T register r: weight row g (+ 8 for r % 4 >= 2), X row 8 (r // 4) + 2q + r % 2
+            red[(warp * WEIGHT_ROWS + g + r % 4 // 2 * 8) * pitch + r // 4 * 8 + q * 2 + r % 2] = acc[r]
+        T.tvm_storage_sync("shared")
+        for e in T.unroll(-(-out_n // threads)):
+            if e * threads + tx < out_n:
+                acc[0] = T.float32(0)
+                for w in T.unroll(warps):
+                    acc[0] = acc[0] + red[(w * WEIGHT_ROWS + (e * threads + tx) % WEIGHT_ROWS) * pitch
+                                          + (e * threads + tx) // WEIGHT_ROWS]
+                row, col = T.meta_var(((e * threads + tx) // WEIGHT_ROWS, bx * WEIGHT_ROWS + (e * threads + tx) % WEIGHT_ROWS))
+                if tirx.Cast(rows_type, row) < m and col < n:
+                    value, indices = T.meta_var(result(row, col, acc[0]))
+                    T.buffer_store(ep.out, value, indices)
+
+    return kernel.body
