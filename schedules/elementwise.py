@@ -22,6 +22,7 @@ THREADS = 256
 # Four lanes: wider float32 vectors hit TVM 0.27's broadcast codegen bug (see rows.py); fp16 outputs
 # computed in float32 get float32x4 arithmetic.
 LANES = 4
+ROW_VECTORS = 2  # vectors a thread takes in a row of a symbolic-extent function: 16 bytes of halves
 IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")
 VECTORS, SPREAD = "vectors", "spread"  # how a thread takes its LANES elements: adjacent, or THREADS apart
 
@@ -64,20 +65,22 @@ def apply(func: tirx.PrimFunc) -> s_tir.Schedule | None:
 
 def _symbolic_rows(sch: s_tir.Schedule, loops: list, inner: int) -> bool:
     """Where an outer extent is symbolic (a KV cache's length): rows of the static innermost axis,
-    a vector of LANES per thread, several rows a block, so a thread splits its row index into the
-    outer axes once per vector (64-bit divisions by symbolic extents, which once per element cost
-    more than the copy: a cache append ran at 0.8 TB/s). LANES, not 16 bytes: 8-lane half vectors
-    failed CUDA codegen on a squeezed slice of BERT's packed projection. Scheduled in place; False
-    where not taken."""
-    per_row = inner // LANES
+    ROW_VECTORS vectors of LANES per thread (adjacent, unrolled), several rows a block, so a thread
+    splits its row index into the outer axes once (64-bit divisions by symbolic extents, which once
+    per element cost more than the copy: a cache append ran at 0.8 TB/s, once per half4 at 2.4).
+    LANES-wide vectors, not 16 bytes: 8-lane half vectors failed CUDA codegen on a squeezed slice of
+    BERT's packed projection. Scheduled in place; False where not taken."""
+    vectors = ROW_VECTORS if inner % (ROW_VECTORS * LANES) == 0 else 1
+    per_row = inner // (vectors * LANES)
     if len(loops) < 2 or all(const_int(sch.get(loop).extent) is not None for loop in loops[:-1]) or THREADS % per_row:
         return False
     rows = sch.fuse(*loops[:-1])
-    columns, vector = sch.split(loops[-1], [None, LANES])
+    columns, pair, vector = sch.split(loops[-1], [None, vectors, LANES])
     bx, row_in_block = sch.split(rows, [None, THREADS // per_row])
-    sch.reorder(bx, row_in_block, columns, vector)
+    sch.reorder(bx, row_in_block, columns, pair, vector)
     sch.bind(bx, "blockIdx.x")
     sch.bind(sch.fuse(row_in_block, columns), "threadIdx.x")
+    sch.unroll(pair)
     sch.vectorize(vector)
     return True
 

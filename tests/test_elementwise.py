@@ -11,6 +11,7 @@ from tvm.support import nvcc
 import tvm_ext
 from bench.spelled import main_module
 from conftest import CUDA_TARGET
+from helpers import kernel_bodies
 from tvm_ext.schedules import elementwise
 from tvm_ext.introspect import cuda_source
 
@@ -177,11 +178,16 @@ def cache_append(dtype="float16"):
 
 @pytest.mark.parametrize("dtype, vector", [("float16", "half4"), ("float32", "float4")])
 def test_symbolic_rows_take_a_vector_per_thread(dtype, vector):
-    """With a symbolic outer extent the fused index is split by 64-bit divisions: once per vector
-    of a row, not once per element (4 half elements a thread, looped one at a time)."""
+    """With a symbolic outer extent the fused index is split by divisions: once per thread's
+    ROW_VECTORS vectors of a row, not once per element (4 half elements a thread, looped one at a
+    time), and in 32 bits where the sizes allow (an int32 twin chosen per call)."""
     source = cuda_source(tvm_ext.build(cache_append(dtype), CUDA_TARGET))
     assert f"__launch_bounds__({elementwise.THREADS})" in source and f"*({vector}*)" in source
-    assert "for (" not in source.split("concatenate_kernel(")[-1]  # no loop over a thread's lanes
+    bodies = kernel_bodies(source)
+    assert set(bodies) == {"concatenate_kernel", "concatenate_i32_kernel"}
+    for body in bodies.values():
+        assert "for (" not in body  # no loop over a thread's lanes
+        assert body.count(f"*({vector}*)(T_concat_ptr") == elementwise.ROW_VECTORS
 
 
 def test_a_symbolic_squeezed_slice_builds():

@@ -210,15 +210,16 @@ def dlight_defaults(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         portable = Target.current()
         for gv, func in list(mod.functions_items()):
             if isinstance(func, tirx.PrimFunc) and not func.attrs.get(SCHEDULED, False):
-                sch = _first_schedule(gv.name_hint, func, portable, rules)
-                if sch is not None:
-                    mod[gv] = sch.mod["main"].with_attr(SCHEDULED, True)
+                found = _first_schedule(gv.name_hint, func, portable, rules)
+                if found is not None:  # our elementwise rule's kernels get int32 twins like our templates'
+                    rule, sch = found
+                    mod[gv] = sch.mod["main"].with_attrs({SCHEDULED: True, OURS: isinstance(rule, Elementwise)})
     return mod
 
 
-def _first_schedule(name: str, func: tirx.PrimFunc, target: Target, rules) -> s_tir.Schedule | None:
-    """What the first rule that takes `func` makes of it, as dlight's ApplyDefaultSchedule does; a rule
-    that raises is passed over, with a warning."""
+def _first_schedule(name: str, func: tirx.PrimFunc, target: Target, rules) -> tuple | None:
+    """(rule, Schedule) of the first rule that takes `func`, as dlight's ApplyDefaultSchedule does; a
+    rule that raises is passed over, with a warning."""
     for rule in rules:
         try:
             sch = rule.apply(func, target, False)
@@ -226,7 +227,7 @@ def _first_schedule(name: str, func: tirx.PrimFunc, target: Target, rules) -> s_
             fallback.warn(name, type(rule).__name__, err)
             continue
         if sch is not None:
-            return sch[0] if isinstance(sch, list) else sch
+            return rule, sch[0] if isinstance(sch, list) else sch
     return None
 
 
