@@ -91,8 +91,9 @@ def contraction_template(func: tirx.PrimFunc, target: Target | None = None):
 # A matmul with a symbolic row count (a sequence length) gets one kernel per class of row counts,
 # chosen at run time: (the class's largest row count, the row count its tiles are planned for); the
 # last class takes the rest. Classes whose plans agree share a kernel. A single row, a GEMV, is the
-# pipeline's (dlight's rule on the function specialised to one row); up to few_row_matmul.MAX_ROWS
-# rows, the few-row template's where it fits (sm_80 and later), else these classes' tiles.
+# pipeline's (dlight's rule on the function specialised to one row); up to 16 and up to 32 rows
+# (few_row_matmul.ROW_CLASSES), the few-row template's where it fits (sm_80 and later), else these
+# classes' tiles.
 MATMUL_ROW_CLASSES = [(16, 16), (64, 64), (256, 256), (512, 512), (1024, 1024), (2048, 2048), (None, 8192)]
 
 
@@ -106,10 +107,13 @@ def contraction_kernels(func: tirx.PrimFunc, target: Target) -> list[tuple]:
     if rows is None:
         found = _heuristic(func, target)
         return [(None, *found)] if found else []
-    few = few_row_matmul.heuristic(func, device.sm_count) if device.compute >= few_row_matmul.MIN_SM else None
-    kernels = [(rows <= few_row_matmul.MAX_ROWS, *few)] if few else []
+    kernels = []
+    for bound in few_row_matmul.ROW_CLASSES if device.compute >= few_row_matmul.MIN_SM else ():
+        found = few_row_matmul.heuristic(func, device.sm_count, rows=bound)
+        if found:
+            kernels.append((rows <= bound, *found))
     for bound, planned in MATMUL_ROW_CLASSES:
-        if few and bound is not None and bound <= few_row_matmul.MAX_ROWS:
+        if kernels and bound is not None and bound <= few_row_matmul.MAX_ROWS:
             continue
         found = template.heuristic(func, device.sm_count, rows=planned)
         if found is None:

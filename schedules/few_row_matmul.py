@@ -20,7 +20,8 @@ from .contracts import WGMMA_TYPES
 from .wgmma_matmul import fold_epilogue
 
 NAME = "few_row_matmul"
-MAX_ROWS = 16  # of X: two mma tiles of 8
+ROW_CLASSES = (16, 32)  # the most rows of X a kernel serves (knob "rows"): 8 an mma tile
+MAX_ROWS = ROW_CLASSES[-1]
 WEIGHT_ROWS = 16  # a warp's rows of W: the mma's m16
 STEP = 32  # k of one step: 4 lanes a row, 16 bytes each
 VECTOR = 8  # elements of a lane's 16-byte load
@@ -56,39 +57,54 @@ def _fit(func: tirx.PrimFunc):
 
 
 def knob_space(func: tirx.PrimFunc) -> list[dict]:
-    """Every (warps, unroll) point, where the template fits."""
-    if _fit(func) is None:
+    """Every (rows, warps, unroll) point, where the template fits: rows at least a static row count."""
+    found = _fit(func)
+    if found is None:
         return []
-    return [{"strategy": NAME, "warps": w, "unroll": u} for w in WARPS for u in UNROLL]
+    m = found[2]
+    return [{"strategy": NAME, "rows": r, "warps": w, "unroll": u}
+            for r in ROW_CLASSES if not isinstance(m, int) or m <= r for w in WARPS for u in UNROLL]
 
 
 def heuristic(func: tirx.PrimFunc, sm_count: int, rows: int | None = None) -> tuple[dict, s_tir.Schedule] | None:
-    """Many blocks (a wide weight): small blocks with few loads each, resident all at once; else 16
-    steps of loads in flight, 4 warps a block over a long k, 8 over a short one. (H200: 11008 x 4096
-    25 us against 29-36 for the other points; 4096 x 4096 11.3 us; 4096 x 11008 30 us; see
-    docs/design.md#few-row-matmuls.) `rows` is unused: every row count up to MAX_ROWS is one kernel."""
+    """The kernel for up to `rows` rows (a row class; a static row count takes the smallest class
+    that holds it), with the knobs of `_knobs`."""
     found = _fit(func)
     if found is None:
         return None
-    _, _, _, n, k = found
+    _, _, m, n, k = found
+    limit = m if isinstance(m, int) else rows or ROW_CLASSES[0]
+    served = next((r for r in ROW_CLASSES if limit <= r), None)
+    if served is None:
+        return None
+    knobs = {"strategy": NAME, "rows": served, **_knobs(served, n, k, sm_count)}
+    return knobs, s_tir.Schedule(func.with_body(_kernel(*found, served, knobs["warps"], knobs["unroll"])))
+
+
+def _knobs(rows: int, n: int, k: int, sm_count: int) -> dict:
+    """Warps and unroll, from H200 sweeps (docs/design.md#few-row-matmuls). Two tiles of X's rows:
+    many blocks (a wide weight) want small blocks with few loads each, resident all at once; else
+    16 steps in flight, 4 warps a block over a long k, 8 over a short one. Four tiles (twice the
+    registers a step): 4 steps in flight, 2 over a long k."""
+    if rows > 16:
+        return {"warps": 8, "unroll": 2 if k >= LONG_K else 4}
     if -(-n // WEIGHT_ROWS) >= MANY_BLOCKS_PER_SM * sm_count:
-        knobs = {"strategy": NAME, "warps": 4, "unroll": 2}
-    else:
-        knobs = {"strategy": NAME, "warps": 4 if k >= LONG_K else 8, "unroll": 16}
-    return knobs, s_tir.Schedule(func.with_body(_kernel(*found, knobs["warps"], knobs["unroll"])))
+        return {"warps": 4, "unroll": 2}
+    return {"warps": 4 if k >= LONG_K else 8, "unroll": 16}
 
 
 def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
-    """The kernel for `func` with `knobs` (warps, unroll) as a Schedule of the finished loop nest;
+    """The kernel for `func` with `knobs` (rows, warps, unroll) as a Schedule of the finished loop nest;
     None when it does not fit."""
     found = _fit(func)
-    warps, unroll = int(knobs.get("warps", 0)), int(knobs.get("unroll", 0))
-    if found is None or warps not in WARPS or unroll not in UNROLL:
+    rows, warps, unroll = (int(knobs.get(x, 0)) for x in ("rows", "warps", "unroll"))
+    if found is None or rows not in ROW_CLASSES or isinstance(found[2], int) and found[2] > rows \
+            or warps not in WARPS or unroll not in UNROLL:
         return None
-    return s_tir.Schedule(func.with_body(_kernel(*found, warps, unroll)))
+    return s_tir.Schedule(func.with_body(_kernel(*found, rows, warps, unroll)))
 
 
-def _kernel(block, ep, m, n, k, warps: int, unroll: int) -> tirx.Stmt:
+def _kernel(block, ep, m, n, k, rows: int, warps: int, unroll: int) -> tirx.Stmt:
     """The loop nest, written against the original function's buffers."""
     x_load, w_load = multiply_accumulate(block.body)
     row_var, col_var, k_var = (iv.var for iv in block.iter_vars)
@@ -99,10 +115,22 @@ def _kernel(block, ep, m, n, k, warps: int, unroll: int) -> tirx.Stmt:
     per_warp = -(-steps // warps)
     rounds = -(-per_warp // unroll)
     guarded = bool(per_warp * warps != steps or per_warp % unroll or k % STEP)  # some lanes' steps lie past k
-    two_tiles = not isinstance(m, int) or m > 8
+    tiles = -(-min(m, rows) // 8) if isinstance(m, int) else rows // 8  # of X's rows, 8 an mma
+    slot = 2 + tiles  # vectors a lane loads a step: W rows g and g + 8, X rows g + 8t
     rows_type = "int32" if isinstance(m, int) else str(m.ty)
-    out_n = WEIGHT_ROWS * MAX_ROWS  # C^T elements a warp sums: 16 weight rows x 16 rows of X
-    pitch = MAX_ROWS + 1  # floats per weight row in shared memory: a padded row, reads free of bank conflicts
+    out_n = WEIGHT_ROWS * 8 * tiles  # C^T elements a warp sums: 16 weight rows x X's rows
+    pitch = 8 * tiles + 1  # floats per weight row in shared memory: a padded row, reads free of bank conflicts
+
+    def has_tile(t):
+        """Whether X has rows in tile t (t >= 1): a run-time compare where m is symbolic. Its branches
+        around a step's loads also keep ptxas from moving them next to their mmas, which left one step
+        in flight (56 registers against 106 for 4096 x 4096; 14 us against 11)."""
+        return m > tirx.Cast(rows_type, 8 * t)
+
+    def mma(a_f, regs, acc, u, s, t):
+        """C^T of X's row tile t += the step's k16 half s (A in a_f, B in slot u's vector of tile t)."""
+        T.evaluate(T.ptx_legacy.mma("m16n8k16", "row", "col", kind, kind, "fp32", a_f.data, 0, regs.data,
+                                    (u * slot + 2 + t) * VECTOR + s * 4, acc.data, 4 * t, False, dtype="float32"))
 
     def element(load, row, col, kk):
         """`load`'s element at the matmul's row, column and k."""
@@ -129,43 +157,41 @@ def _kernel(block, ep, m, n, k, warps: int, unroll: int) -> tirx.Stmt:
     def kernel():
         bx = T.launch_thread("blockIdx.x", -(-n // WEIGHT_ROWS))
         tx = T.launch_thread("threadIdx.x", threads)
-        # per slot: W rows g and g + 8, then X rows g and g + 8; one buffer, so that the scalar reads of
-        # W's keep its element type (a buffer read only in vectors is retyped, and the mma's offsets with it)
-        regs = T.alloc_buffer((unroll * 4 * VECTOR,), dtype, scope="local")
+        # per slot: W rows g and g + 8, then X rows g + 8t; one buffer, so that the scalar reads of W's
+        # keep its element type (a buffer read only in vectors is retyped, and the mma's offsets with it)
+        regs = T.alloc_buffer((unroll * slot * VECTOR,), dtype, scope="local")
         a_f = T.alloc_buffer((8,), dtype, scope="local")
-        acc = T.alloc_buffer((8,), "float32", scope="local")  # C^T tiles of X rows 0-7 and 8-15
+        acc = T.alloc_buffer((4 * tiles,), "float32", scope="local")  # C^T: a tile of 8 X rows each 4
         red = T.alloc_buffer((warps * WEIGHT_ROWS * pitch,), "float32", scope="shared")
         warp, g, q = T.meta_var((tx // 32, tx % 32 // 4, tx % 4))
-        for r in T.unroll(8):
+        for r in T.unroll(4 * tiles):
             acc[r] = T.float32(0)
         for i in T.serial(rounds):
             for u in T.unroll(unroll):  # every load of the round first
                 for half in T.unroll(2):
                     for e in T.vectorized(VECTOR):
-                        regs[(u * 4 + half) * VECTOR + e] = element(
+                        regs[(u * slot + half) * VECTOR + e] = element(
                             w_load, 0, T.min(bx * WEIGHT_ROWS + g + half * 8, n - 1), step_k(warp, i, u, q) + e)
                 for e in T.vectorized(VECTOR):
-                    regs[(u * 4 + 2) * VECTOR + e] = element(x_load, T.min(g, m - 1), 0, step_k(warp, i, u, q) + e)
-                if two_tiles:
-                    if m > 8:
+                    regs[(u * slot + 2) * VECTOR + e] = element(x_load, T.min(g, m - 1), 0, step_k(warp, i, u, q) + e)
+                for t in T.unroll(1, tiles):
+                    if has_tile(t):  # see has_tile: this branch keeps the round's loads ahead of its mmas
                         for e in T.vectorized(VECTOR):
-                            regs[(u * 4 + 3) * VECTOR + e] = element(x_load, T.min(g + 8, m - 1), 0, step_k(warp, i, u, q) + e)
+                            regs[(u * slot + 2 + t) * VECTOR + e] = element(x_load, T.min(g + 8 * t, m - 1), 0,
+                                                                            step_k(warp, i, u, q) + e)
             for u in T.unroll(unroll):
                 if guarded:  # a step past k adds nothing
-                    for e in T.unroll(2 * VECTOR):
-                        regs[(u * 4 + 2) * VECTOR + e] = T.if_then_else(step_valid(warp, i, u, q),
-                                                                         regs[(u * 4 + 2) * VECTOR + e], T.Cast(dtype, 0))
+                    for e in T.unroll(tiles * VECTOR):
+                        regs[(u * slot + 2) * VECTOR + e] = T.if_then_else(step_valid(warp, i, u, q),
+                                                                            regs[(u * slot + 2) * VECTOR + e], T.Cast(dtype, 0))
                 for s in T.unroll(2):  # the step's two k16 mmas: lane q's k 8q + 4s .. 8q + 4s + 3
                     for r in T.unroll(8):  # A's registers: (row g, k 0-1), (g + 8, k 0-1), (g, k 2-3), (g + 8, k 2-3)
-                        a_f[r] = regs[(u * 4 + r // 2 % 2) * VECTOR + s * 4 + r // 4 * 2 + r % 2]
-                    T.evaluate(T.ptx_legacy.mma("m16n8k16", "row", "col", kind, kind, "fp32", a_f.data, 0,
-                                                regs.data, (u * 4 + 2) * VECTOR + s * 4, acc.data, 0, False, dtype="float32"))
-                    if two_tiles:
-                        if m > 8:
-                            T.evaluate(T.ptx_legacy.mma("m16n8k16", "row", "col", kind, kind, "fp32", a_f.data, 0,
-                                                        regs.data, (u * 4 + 3) * VECTOR + s * 4, acc.data, 4, False,
-                                                        dtype="float32"))
-        for r in T.unroll(8):  # C^T register r: weight row g (+ 8 for r % 4 >= 2), X row 8 (r // 4) + 2q + r % 2
+                        a_f[r] = regs[(u * slot + r // 2 % 2) * VECTOR + s * 4 + r // 4 * 2 + r % 2]
+                    mma(a_f, regs, acc, u, s, 0)
+                    for t in T.unroll(1, tiles):
+                        if has_tile(t):
+                            mma(a_f, regs, acc, u, s, t)
+        for r in T.unroll(4 * tiles):  # C^T register r: weight row g (+ 8 for r % 4 >= 2), X row 8 (r // 4) + 2q + r % 2
             red[(warp * WEIGHT_ROWS + g + r % 4 // 2 * 8) * pitch + r // 4 * 8 + q * 2 + r % 2] = acc[r]
         T.tvm_storage_sync("shared")
         for e in T.unroll(-(-out_n // threads)):

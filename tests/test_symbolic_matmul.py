@@ -1,6 +1,6 @@
 """Matmuls with a symbolic row count (a sequence length): one build serves every length. Each
 class of row counts gets its kernel, chosen at run time by a compare on the host: one row is
-dlight's GEMV over the weight as stored, up to 16 the few-row template (tests/test_few_row_matmul.py),
+dlight's GEMV over the weight as stored, up to 16 and 32 the few-row template (tests/test_few_row_matmul.py),
 the others our tensor-core templates (wgmma on sm_90a, mma.sync elsewhere) with tiles planned for the
 class, their last row of tiles guarded."""
 
@@ -18,7 +18,7 @@ import tvm_ext
 from bench.spelled import main_module
 from helpers import kernel_bodies
 from tvm_ext.pipeline import ScheduleContractions, fused_module
-from tvm_ext.schedules import contraction_kernels
+from tvm_ext.schedules import contraction_kernels, few_row_matmul
 from tvm_ext.schedules.dispatch import MATMUL_ROW_CLASSES
 
 
@@ -51,10 +51,11 @@ def test_each_row_class_gets_a_kernel_of_its_own(arch, tensor_core, dtype):
         pytest.skip("bf16 on mma.sync: TVM 0.27 has no bf16 WMMA intrinsics (a symbolic bf16 matmul stays dlight's)")
     bodies = kernel_bodies(tvm_ext.cuda_source(build_quietly(linear(4096, 4096, dtype)[0], {"kind": "cuda", "arch": arch})))
     variants = sorted(name for name in bodies if re.search(r"_v\d+_kernel$", name))
-    assert len(variants) >= 4, sorted(bodies)
-    single, few, *tiled = variants  # _v0: one row; _v1: up to 16
+    assert len(variants) >= 5, sorted(bodies)
+    single, *few = variants[:3]  # _v0: one row; _v1, _v2: up to 16 and 32
+    tiled = variants[3:]
     assert "__shfl" in bodies[single] and "mma" not in bodies[single]
-    assert "mma.sync.aligned.m16n8k16" in bodies[few]
+    assert all("mma.sync.aligned.m16n8k16" in bodies[name] for name in few)
     assert all(tensor_core in bodies[name] for name in tiled), tiled
 
 
@@ -67,9 +68,9 @@ def test_row_classes_are_planned_for_their_sizes_and_end_with_the_rest():
     conditions = [str(cond) for cond, _, _ in kernels]
     assert conditions[-1] == "None" and all(re.fullmatch(r"m <= T.int64\(\d+\)", c) for c in conditions[:-1]), conditions
     bounds = [int(re.search(r"\((\d+)\)", c).group(1)) for c in conditions[:-1]]
-    assert bounds == sorted(bounds) and set(bounds) <= {b for b, _ in MATMUL_ROW_CLASSES}
-    assert kernels[0][1]["strategy"] == "few_row_matmul" and bounds[0] == 16
-    tiles = [(knobs["block_m"], knobs["block_n"]) for _, knobs, _ in kernels[1:]]
+    assert bounds == sorted(bounds) and set(bounds) <= {b for b, _ in MATMUL_ROW_CLASSES} | set(few_row_matmul.ROW_CLASSES)
+    assert [knobs["strategy"] for _, knobs, _ in kernels[:2]] == ["few_row_matmul"] * 2 and bounds[:2] == [16, 32]
+    tiles = [(knobs["block_m"], knobs["block_n"]) for _, knobs, _ in kernels[2:]]
     assert len(set(tiles)) == len(tiles), tiles  # classes planned alike share one kernel
     assert tiles[0][0] * tiles[0][1] < tiles[-1][0] * tiles[-1][1]  # few rows: small tiles, more blocks
 
@@ -107,7 +108,7 @@ def test_rows_that_are_an_expression_of_the_length_dispatch_on_it(arch):
 def test_every_row_class_matches_numpy_on_gpu(n, k, dtype, rng):
     mod, weight = linear(n, k, dtype)
     main = VirtualMachine(tvm_ext.build(mod, "cuda"), tvm.cuda())["main"]
-    for m in (1, 3, 8, 9, 16, 17, 64, 100, 256, 300, 1000):
+    for m in (1, 3, 8, 9, 16, 17, 32, 33, 64, 100, 256, 300, 1000):
         x, r = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((m, n)).astype(dtype)
         got = main(tvm.runtime.tensor(x, tvm.cuda()), tvm.runtime.tensor(r, tvm.cuda())).numpy().astype("float32")
         want = x.astype("float32") @ weight.astype("float32").T + r.astype("float32")
