@@ -1,13 +1,13 @@
 """Matmuls of a few rows (a decoding batch): the weight streamed once through `mma.sync`, operands swapped.
 
-With 2-16 rows of X, the smallest wgmma tile (64 rows) wastes most of its work and gives too few
+With 2-32 rows of X, the smallest wgmma tile (64 rows) wastes most of its work and gives too few
 blocks to read the weight at bandwidth. Here the weight W [n, k] is the mma's A operand (16 of its
-rows a warp) and X's rows its B operand (8 an mma; a second for rows 9-16): C^T = W X^T. Each lane
-loads 16 bytes of two weight rows and of two X rows at the same k per step of 32; the fragment
-layouts take them in registers once k is permuted within the step, the same permutation for both
-operands, which leaves the sum unchanged. A block's warps split k and add their sums in shared
-memory; the epilogue (cast, residual add) follows. fp16 and bf16 on sm_80 and later.
-See docs/design.md#few-row-matmuls."""
+rows a warp) and X's rows its B operand (8 an mma; two tiles of them for up to 16 rows, four for up
+to 32): C^T = W X^T. Each lane loads 16 bytes of two weight rows and of its X rows at the same k per
+step of 32; the fragment layouts take them in registers once k is permuted within the step, the
+same permutation for both operands, which leaves the sum unchanged. A block's warps split k and add
+their sums in shared memory; the epilogue (cast, residual add) follows. fp16 and bf16 on sm_80 and
+later. See docs/design.md#few-row-matmuls."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ from tvm.script import tirx as T
 
 from . import matmul
 from .analysis import multiply_accumulate, size_of, substitute
-from .contracts import WGMMA_TYPES
-from .wgmma_matmul import fold_epilogue
+from .wgmma_matmul import float32_contraction, fold_epilogue
 
 NAME = "few_row_matmul"
 ROW_CLASSES = (16, 32)  # the most rows of X a kernel serves (knob "rows"): 8 an mma tile
@@ -37,15 +36,11 @@ def _fit(func: tirx.PrimFunc):
     """(matmul block, folded epilogue, m, n, k) of a `C[i, j] += X[i, k] * W[j, k]` this template
     takes (fp16/bf16, float32 C, m at most MAX_ROWS or symbolic, k a whole number of 16-byte
     loads, both operands read along k), else None."""
-    found = matmul.contraction(func, over_c=False)
+    found = float32_contraction(func)
     if found is None:
         return None
-    sch, block_rv, epilogue = found
-    block = sch.get(block_rv)
-    x, _ = multiply_accumulate(block.body)
-    extents = [iv.dom.extent for iv in block.iter_vars]
-    if len(extents) != 3 or str(x.source.dtype) not in WGMMA_TYPES or str(block.writes[0].source.dtype) != "float32" \
-            or not matmul.static_but_rows(extents) or matmul.k_is_last(block) != (True, True):
+    sch, block, epilogue, _, extents = found
+    if len(extents) != 3 or matmul.k_is_last(block) != (True, True):
         return None
     m, n, k = (size_of(e) for e in extents)
     if isinstance(m, int) and m > MAX_ROWS or k % VECTOR:
@@ -150,6 +145,7 @@ def _kernel(block, ep, m, n, k, rows: int, warps: int, unroll: int) -> tirx.Stmt
         return T.min(kk, k - VECTOR) if guarded else kk
 
     def step_valid(warp, i, u, q):
+        """Whether lane q's 16 bytes in step (round i, slot u) of `warp` lie inside k and the warp's share."""
         return tirx.And(tirx.And(i * unroll + u < per_warp, warp * per_warp + i * unroll + u < steps),
                         (warp * per_warp + i * unroll + u) * STEP + q * VECTOR < k)
 

@@ -51,9 +51,10 @@ def accumulator_position(tx, r):
     return tx // 32 * 16 + tx % 32 // 4 + 8 * (r // 2 % 2), r // 4 * 8 + tx % 4 * 2 + r % 2
 
 
-def _fit(func: tirx.PrimFunc):
-    """(matmul block, its epilogue folded as `fold_epilogue` gives it) of a matmul this template
-    takes, else None."""
+def float32_contraction(func: tirx.PrimFunc):
+    """(Schedule, matmul block, its epilogue blocks, operand dtype, the block's extents) of a matmul
+    of fp16 or bf16 operands into float32 whose sizes are static but the rows, else None: what this
+    template and the few-row one (few_row_matmul.py) start from."""
     found = matmul.contraction(func, over_c=False)
     if found is None:
         return None
@@ -62,13 +63,23 @@ def _fit(func: tirx.PrimFunc):
     a, _ = multiply_accumulate(block.body)
     extents = [iv.dom.extent for iv in block.iter_vars]
     if str(a.source.dtype) not in WGMMA_TYPES or str(block.writes[0].source.dtype) != "float32" \
-            or not matmul.static_but_rows(extents) or matmul.part_strides(block) != []:
+            or not matmul.static_but_rows(extents):
         return None
+    return sch, block, epilogue, str(a.source.dtype), extents
+
+
+def _fit(func: tirx.PrimFunc):
+    """(matmul block, its epilogue folded as `fold_epilogue` gives it) of a matmul this template
+    takes, else None."""
+    found = float32_contraction(func)
+    if found is None or matmul.part_strides(found[1]) != []:
+        return None
+    sch, block, epilogue, operand, extents = found
     m, n, k = (const_int(e) for e in extents[-3:])
     if m is not None and m < ROWS or n % 64 or k % K_TILE or not matmul.k_is_last(block)[0]:
         return None
     folded = fold_epilogue(sch, epilogue, block.writes[0].source, extents[:-1])
-    if folded is None or folded.gated and str(folded.out.dtype) != str(a.source.dtype):  # gated: staged in shared memory
+    if folded is None or folded.gated and str(folded.out.dtype) != operand:  # gated: staged in shared memory
         return None
     return block, folded
 
