@@ -20,12 +20,12 @@ SM_90A = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 SM_80 = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})
 
 
-def decode_chain(batch, past, heads=4, kv_heads=2, dim=128) -> tvm.IRModule:
+def decode_chain(batch, past, heads=4, kv_heads=2, dim=128, dtype="float16") -> tvm.IRModule:
     """A new token's q [batch, heads, 1, dim] against the cache [batch, kv_heads, past, dim] each
     query head's keys and values repeated from its group's, spelled out as the frontend imports it."""
     group, n = heads // kv_heads, batch * heads
-    q = relax.Var("q", relax.TensorType([batch, heads, 1, dim], "float16"))
-    k, v = (relax.Var(x, relax.TensorType([batch, kv_heads, past, dim], "float16")) for x in "kv")
+    q = relax.Var("q", relax.TensorType([batch, heads, 1, dim], dtype))
+    k, v = (relax.Var(x, relax.TensorType([batch, kv_heads, past, dim], dtype)) for x in "kv")
 
     def repeated(bb, x):
         wide = bb.emit(relax.op.broadcast_to(bb.emit(relax.op.expand_dims(x, [2])), [batch, kv_heads, group, past, dim]))
@@ -35,9 +35,9 @@ def decode_chain(batch, past, heads=4, kv_heads=2, dim=128) -> tvm.IRModule:
         kt = bb.emit(relax.op.reshape(bb.emit(relax.op.permute_dims(repeated(bb, k), [0, 1, 3, 2])), [n, dim, past]))
         s = bb.emit(relax.op.matmul(bb.emit(relax.op.reshape(q, [n, 1, dim])), kt, out_dtype="float32"))
         s = bb.emit(relax.op.divide(s, relax.const(math.sqrt(dim), "float32")))
-        p = bb.emit(relax.op.astype(bb.emit(relax.op.nn.softmax(s)), "float16"))
+        p = bb.emit(relax.op.astype(bb.emit(relax.op.nn.softmax(s)), dtype))
         o = bb.emit(relax.op.matmul(p, bb.emit(relax.op.reshape(repeated(bb, v), [n, past, dim])), out_dtype="float32"))
-        return relax.op.astype(o, "float16")
+        return relax.op.astype(o, dtype)
 
     return main_module(body, [q, k, v])
 
@@ -53,9 +53,10 @@ def calls_of(mod) -> list[str]:
 
 @pytest.mark.parametrize("target", [SM_90A, SM_80])
 @pytest.mark.parametrize("symbolic", [False, True])
-def test_one_query_row_is_split_over_the_keys_on_any_cuda_architecture(target, symbolic):
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_one_query_row_is_split_over_the_keys_on_any_cuda_architecture(target, symbolic, dtype):
     batch, past = (tvm.tirx.Var("batch", "int64"), tvm.tirx.Var("past", "int64")) if symbolic else (3, 300)
-    after = fused(decode_chain(batch, past), target)
+    after = fused(decode_chain(batch, past, dtype=dtype), target)
     assert calls_of(after) == ["fused_decode_attention", "fused_decode_attention_combine"]
     main = after["main"].script()
     assert "R.nn.softmax" not in main and "R.matmul" not in main and "R.broadcast_to" not in main
@@ -108,13 +109,14 @@ def test_sizes_the_kernel_does_not_take_are_a_clear_error():
 
 def _run_kernels(torch, batch, seq_kv, dim, q, k, v):
     """The partial and combine kernels built alone for these static sizes, on q [batch, 1, dim] and
-    k, v [batch, seq_kv, dim]."""
+    k, v [batch, seq_kv, dim] (fp16 or bf16)."""
     scale = 1 / math.sqrt(dim)
     target = tvm_ext.parse_target("cuda")
     sm_count = tvm_ext.schedules.device.device_of(target).sm_count
-    mod = tvm.IRModule({"partial": decode_attention.partial_kernel(batch, seq_kv, dim, scale, sm_count)
+    dtype = str(q.dtype).removeprefix("torch.")
+    mod = tvm.IRModule({"partial": decode_attention.partial_kernel(batch, seq_kv, dim, scale, sm_count, dtype=dtype)
                         .with_attr("global_symbol", "partial"),
-                        "combine": decode_attention.combine_kernel(batch, seq_kv, dim, sm_count)
+                        "combine": decode_attention.combine_kernel(batch, seq_kv, dim, sm_count, dtype=dtype)
                         .with_attr("global_symbol", "combine")})
     lib = tvm.compile(mod, target=target)
     values, max_sum = (torch.zeros(shape, device="cuda") for shape in decode_attention.workspace_shapes(batch, dim))
@@ -127,43 +129,47 @@ def _run_kernels(torch, batch, seq_kv, dim, q, k, v):
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch, seq_kv, dim", [(32, 1, 128), (4, 63, 64), (32, 1000, 128), (2, 4097, 128),
                                                 (8, 300, 256), (1, 70000, 64)])
-def test_kernels_match_float64_attention(batch, seq_kv, dim):
+@pytest.mark.parametrize("dtype, tolerance", [("float16", 2e-3), ("bfloat16", 1.6e-2)])  # about an output ulp
+def test_kernels_match_float64_attention(batch, seq_kv, dim, dtype, tolerance):
     torch = pytest.importorskip("torch")
-    q = torch.randn(batch, 1, dim, device="cuda").half()
-    k = torch.randn(batch, seq_kv, dim, device="cuda").half() * 3  # scores spread over a wide range
-    v = torch.randn(batch, seq_kv, dim, device="cuda").half()
+    dtype = getattr(torch, dtype)
+    q = torch.randn(batch, 1, dim, device="cuda").to(dtype)
+    k = (torch.randn(batch, seq_kv, dim, device="cuda") * 3).to(dtype)  # scores spread over a wide range
+    v = torch.randn(batch, seq_kv, dim, device="cuda").to(dtype)
     out = _run_kernels(torch, batch, seq_kv, dim, q, k, v)
     scores = (q.double() @ k.double().transpose(1, 2)) / math.sqrt(dim)
     want = torch.softmax(scores, -1) @ v.double()
-    assert float((out.double() - want).abs().max()) < 2e-3
+    assert float((out.double() - want).abs().max()) < tolerance
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_heads, shapes", [
-    (4, ((1, 1), (1, 127), (3, 500), (8, 2047), (2, 5000))),
+@pytest.mark.parametrize("kv_heads, shapes, dtype, atol", [
+    (4, ((1, 1), (1, 127), (3, 500), (8, 2047), (2, 5000)), "float16", 3e-2),
+    (4, ((1, 1), (3, 500), (2, 5000)), "bfloat16", 1.25e-1),  # a few bf16 ulps of outputs up to ~8
     # GQA at one cache length: torch 2.11's export cannot prove repeat_kv's guard at a symbolic one
-    (2, ((1, 37), (2, 37), (7, 37)))], ids=["mha", "gqa"])
-def test_decode_layer_built_once_matches_pytorch_at_every_batch_and_cache_length(kv_heads, shapes):
+    (2, ((1, 37), (2, 37), (7, 37)), "float16", 3e-2)], ids=["mha", "mha-bf16", "gqa"])
+def test_decode_layer_built_once_matches_pytorch_at_every_batch_and_cache_length(kv_heads, shapes, dtype, atol):
     torch = pytest.importorskip("torch")
     from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
 
     from examples.torch_models import DECODE_DYNAMIC, LlamaDecodeLayer, decode_inputs  # noqa: PLC0415
 
     torch.manual_seed(0)
-    module = LlamaDecodeLayer(512, 4, 1024, kv_heads=kv_heads).eval().half()
+    dtype = getattr(torch, dtype)
+    module = LlamaDecodeLayer(512, 4, 1024, kv_heads=kv_heads).eval().to(dtype)
     pasts = {past for _, past in shapes}
     dynamic = DECODE_DYNAMIC if len(pasts) > 1 else {i: {0: DECODE_DYNAMIC[i][0]} for i in range(3)}
-    mod = tvm_ext.from_torch(module, *decode_inputs(module, 2, 37, torch.float16), dynamic=dynamic)  # examples of 1 would be taken for constants
+    mod = tvm_ext.from_torch(module, *decode_inputs(module, 2, 37, dtype), dynamic=dynamic)  # examples of 1 would be taken for constants
     executable = tvm_ext.build(mod, "cuda")
     assert any("decode_attention" in k for k in tvm_ext.cuda_kernels(executable))
     main = VirtualMachine(executable, tvm.cuda(0))["main"]
     for batch, past in shapes:
-        inputs = decode_inputs(module, batch, past, torch.float16)
-        got = main(*(tvm.runtime.tensor(t.numpy(), tvm.cuda(0)) for t in inputs))
-        with torch.no_grad():
-            want = module.float()(*(t.float() for t in inputs))
+        inputs = decode_inputs(module, batch, past, dtype)
+        got = main(*(tvm.runtime.from_dlpack(t.cuda()) for t in inputs))
+        with torch.no_grad():  # PyTorch in the same dtype: the new key's rotary angles are rounded alike
+            want = module.cuda()(*(t.cuda() for t in inputs))
         for g, w, what in zip(got, want, ("output", "keys", "values")):
-            np.testing.assert_allclose(g.numpy().astype("float32"), w.numpy(), atol=3e-2,
+            np.testing.assert_allclose(torch.from_dlpack(g).float().cpu().numpy(), w.float().cpu().numpy(), atol=atol,
                                        err_msg=f"{what} at batch {batch}, past {past}")
 
 

@@ -38,7 +38,8 @@ VIEWS = ("relax.reshape", "relax.permute_dims", "relax.strided_slice", "relax.sq
          "relax.broadcast_to")  # ops that only move elements: a view of their input
 MERGES = ("relax.reshape", "relax.permute_dims")  # views that map one to one, so they can be inverted
 SCALINGS = ("relax.multiply", "relax.divide")
-FLOATS = ("float16", "float32")
+FLOATS = ("float16", "bfloat16", "float32")
+HALVES = ("float16", "bfloat16")  # operand types of the kernels: prefill fp16, decoding either
 MASKED_FILL = -1.0e4  # a finite mask value at or below this counts as masked (see the module docstring)
 
 
@@ -299,10 +300,11 @@ def _causal_within(chain: Bindings, masks: _Masks, mask, mask_sum, logical: list
 
 
 def _match(chain: Bindings, final, masks: _Masks) -> dict | None:
-    """The attention chain ending in the astype-to-fp16 `final`, or None."""
+    """The attention chain ending in the astype-to-fp16 (bf16: decoding only) `final`, or None."""
     value = chain.value[final]
-    if op_name(value) != "relax.astype" or _dtype(value) != "float16":
+    if op_name(value) != "relax.astype" or _dtype(value) not in HALVES:
         return None
+    dtype = _dtype(value)
     out3 = value.args[0]  # the P V product, maybe reshaped
     while op_name(chain.producer(out3)) == "relax.reshape" and chain.only_use(out3):
         out3 = chain.producer(out3).args[0]
@@ -358,12 +360,13 @@ def _match(chain: Bindings, final, masks: _Masks) -> dict | None:
                 return None
         causal = kind == "causal" or (added is not None and _causal_within(chain, masks, mask, mask_sum,
                                                                              [batch, seq_q, seq_kv]))
-    q, k, v = (_readable(_views_of(chain, q3, scaled=True)), _readable(_views_of(chain, kt3, scaled=True), transpose=True),
-               _readable(_views_of(chain, v3, scaled=False)))
-    if q is None or v is None:  # rows the 16-byte copies cannot read, or no float16 tensor to read
+    q, k, v = (_readable(_views_of(chain, q3, scaled=True, dtypes=(dtype,))),
+               _readable(_views_of(chain, kt3, scaled=True, dtypes=(dtype,)), transpose=True),
+               _readable(_views_of(chain, v3, scaled=False, dtypes=(dtype,))))
+    if q is None or v is None:  # rows the 16-byte copies cannot read, or no tensor of the output's dtype to read
         return None
     if k is None:  # k^T computed, not a view of k: transpose it into a contiguous K
-        if _dtype(kt3) != "float16":
+        if _dtype(kt3) != dtype:
             return None
         k = (relax.op.permute_dims(kt3, [0, 2, 1]), StridedView.contiguous([batch, seq_kv, dim]), 1.0)
     out = _destination(chain, final, [batch, seq_q, dim])
@@ -373,12 +376,14 @@ def _match(chain: Bindings, final, masks: _Masks) -> dict | None:
              for name, (x, view) in sources.items()}
     mask_given = None if added is None else (tuple(static_shape(added[0])), added[1], added[2])
     decoding = seq_q == 1 and added is None  # one query row: split over the keys instead
+    if not decoding and dtype != "float16":  # the prefill kernel's operands are fp16
+        return None
     if not (decode_attention.fits(batch, seq_kv, dim, given) if decoding else
             attention.fits(batch, seq_q, seq_kv, dim, causal, given=given, mask=mask_given)):
         return None
     return {"sources": sources, "given": given, "sizes": (batch, seq_q, seq_kv, dim), "scale": scale, "causal": causal,
             "mask": None if added is None else (added[0], mask_given), "empty_rows_zero": added is not None and guard is not None,
-            "decoding": decoding}
+            "decoding": decoding, "dtype": dtype}
 
 
 def _permutation(call: relax.Call, rank: int) -> list[int]:
@@ -409,13 +414,13 @@ def _view_after(call: relax.Call, out_shape: list[int], view: StridedView) -> St
 
 
 def _step_up(chain: Bindings, var, scaled: bool) -> tuple | None:
-    """(input, factor) where `var` is its input moved (a view), cast float16 -> float32 (exactly),
+    """(input, factor) where `var` is its input moved (a view), cast fp16 or bf16 -> float32 (exactly),
     or, when `scaled`, multiplied by `factor`; else None."""
     call = chain.producer(var)
     op = op_name(call)
     if op in VIEWS and static_shape(call.args[0]) is not None:
         return call.args[0], 1.0
-    if op == "relax.astype" and _dtype(var) == "float32" and _dtype(call.args[0]) == "float16":
+    if op == "relax.astype" and _dtype(var) == "float32" and _dtype(call.args[0]) in HALVES:
         return call.args[0], 1.0
     if scaled and (factor := _scaling(chain, var)) is not None:
         return call.args[0], factor
@@ -423,7 +428,7 @@ def _step_up(chain: Bindings, var, scaled: bool) -> tuple | None:
 
 
 def _views_of(chain: Bindings, var, scaled: bool, dtypes=("float16",)) -> list[tuple]:
-    """(float16 tensor, view of `var` in it, factor) for `var` itself and each float16 tensor it was
+    """(tensor of `dtypes`, view of `var` in it, factor) for `var` itself and each such tensor it was
     reshaped, transposed, sliced, broadcast, cast or (`scaled`) multiplied by a scalar from, nearest
     first: `var` = factor x the view's elements. Those no view can describe are left out."""
     path, factors = [var], [1.0]
@@ -487,10 +492,10 @@ def _decode_kernels(found: dict) -> tuple:
     """(partial kernel, its scalar dims, combine kernel, its scalar dims) of split-KV decoding attention."""
     batch, _, seq_kv, dim = found["sizes"]
     sm_count = device_of(Target.current()).sm_count
-    partial, dims = decode_attention.with_scalar_dims(
-        decode_attention.partial_kernel(batch, seq_kv, dim, found["scale"], sm_count, given=found["given"]), outputs=2)
+    partial, dims = decode_attention.with_scalar_dims(decode_attention.partial_kernel(
+        batch, seq_kv, dim, found["scale"], sm_count, given=found["given"], dtype=found["dtype"]), outputs=2)
     combine, combine_dims = decode_attention.with_scalar_dims(
-        decode_attention.combine_kernel(batch, seq_kv, dim, sm_count, out=found["given"]["out"]))
+        decode_attention.combine_kernel(batch, seq_kv, dim, sm_count, out=found["given"]["out"], dtype=found["dtype"]))
     return partial, dims, combine, combine_dims
 
 
@@ -542,7 +547,7 @@ class _Rewriter(relax.PyExprMutator):
             [relax.TensorType(shape, "float32") for shape in decode_attention.workspace_shapes(batch, dim)]))
         call = relax.call_tir(self._add(combine, "fused_decode_attention_combine"),
                               [self.builder_.emit(relax.TupleGetItem(states, i)) for i in range(2)] + combine_dims,
-                              relax.TensorType(found["given"]["out"][0], "float16"))
+                              relax.TensorType(found["given"]["out"][0], found["dtype"]))
         self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
 
 
