@@ -81,7 +81,7 @@ def _knobs(rows: int, n: int, k: int, sm_count: int) -> dict:
     many blocks (a wide weight) want small blocks with few loads each, resident all at once; else
     16 steps in flight, 4 warps a block over a long k, 8 over a short one. Four tiles (twice the
     registers a step): 4 steps in flight, 2 over a long k."""
-    if rows > 16:
+    if rows > ROW_CLASSES[0]:
         return {"warps": 8, "unroll": 2 if k >= LONG_K else 4}
     if -(-n // WEIGHT_ROWS) >= MANY_BLOCKS_PER_SM * sm_count:
         return {"warps": 4, "unroll": 2}

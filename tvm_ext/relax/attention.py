@@ -536,7 +536,8 @@ class _Rewriter(relax.PyExprMutator):
         seq_q, mask = found["sizes"][1], found["mask"]
         inputs = self._inputs(found) + ([] if mask is None else [self.visit_expr(mask[0])])
         inputs += [seq_q] if isinstance(seq_q, tvm.tirx.Var) else []  # the kernel's scalar parameter
-        call = relax.call_tir(self._add(kernel, "fused_attention"), inputs, relax.TensorType(found["given"]["out"][0], "float16"))
+        call = relax.call_tir(self._add(kernel, "fused_attention"), inputs,
+                              relax.TensorType(found["given"]["out"][0], found["dtype"]))
         self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
 
     def _decode(self, binding: relax.VarBinding, found: dict, partial, dims, combine, combine_dims) -> None:
