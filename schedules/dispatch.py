@@ -9,14 +9,14 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.target import Target
 
-from . import (block_row, column_reduce, conv2d, cpu_rows, few_row_matmul, grid_reduce, grid_sync, matmul, warp_row,
-               wgmma_matmul)
+from . import (block_row, column_reduce, conv2d, cpu_rows, few_row_matmul, gemv, grid_reduce, grid_sync, matmul,
+               warp_row, wgmma_matmul)
 from .analysis import ROW, const_int, match
 from .device import device_of
 
 # Heuristic order: the first strategy whose default_knobs accepts the pattern wins.
 STRATEGIES = {s.NAME: s for s in (warp_row, grid_reduce, grid_sync, block_row, column_reduce, cpu_rows)}
-CONTRACTIONS = {s.NAME: s for s in (matmul, wgmma_matmul, conv2d)}  # GPU templates that take a whole PrimFunc
+CONTRACTIONS = {s.NAME: s for s in (gemv, matmul, wgmma_matmul, conv2d)}  # GPU templates that take a whole PrimFunc
 
 
 # A symbolic row width gets one kernel per width class, chosen at run time (tvm_ext.relax.variants).
@@ -77,10 +77,13 @@ def _first_applicable(func, pattern, device) -> tuple | None:
 
 
 def contraction_template(func: tirx.PrimFunc, target: Target | None = None):
-    """The GPU template (module of CONTRACTIONS) that takes `func` whole: for a tensor-core matmul
-    the wgmma template where `target` has wgmma (sm_90a) and it fits, else the thread-level matmul
-    template; the conv2d template for a direct convolution (with the elementwise work after
-    either); None for anything else. The one place that tells them apart."""
+    """The GPU template (module of CONTRACTIONS) that takes `func` whole: the GEMV template for one
+    row against a weight as stored; for a tensor-core matmul the wgmma template where `target` has
+    wgmma (sm_90a) and it fits, else the thread-level matmul template; the conv2d template for a
+    direct convolution (with the elementwise work after either); None for anything else. The one
+    place that tells them apart."""
+    if gemv.fits(func):
+        return gemv
     if target is not None and device_of(target).wgmma and wgmma_matmul.knob_space(func):
         return wgmma_matmul  # also a gated epilogue (half of C's columns), which only this template writes
     if matmul.tensor_core_matmul(func) is not None:
@@ -91,7 +94,7 @@ def contraction_template(func: tirx.PrimFunc, target: Target | None = None):
 # A matmul with a symbolic row count (a sequence length) gets one kernel per class of row counts,
 # chosen at run time: (the class's largest row count, the row count its tiles are planned for); the
 # last class takes the rest. Classes whose plans agree share a kernel. A single row, a GEMV, is the
-# pipeline's (dlight's rule on the function specialised to one row); up to 16 and up to 32 rows
+# pipeline's (the GEMV template on the function specialised to one row); up to 16 and up to 32 rows
 # (few_row_matmul.ROW_CLASSES), the few-row template's where it fits (sm_80 and later), else these
 # classes' tiles.
 MATMUL_ROW_CLASSES = [(16, 16), (64, 64), (256, 256), (512, 512), (1024, 1024), (2048, 2048), (None, 8192)]

@@ -32,10 +32,11 @@ MMA_TYPES = {"float16": "fp16", "bfloat16": "bf16"}
 MIN_SM = 80  # mma.sync m16n8k16 with fp32 accumulators
 
 
-def _fit(func: tirx.PrimFunc):
-    """(matmul block, folded epilogue, m, n, k) of a `C[i, j] += X[i, k] * W[j, k]` this template
-    takes (fp16/bf16, float32 C, m at most MAX_ROWS or symbolic, k a whole number of 16-byte
-    loads, both operands read along k), else None."""
+def weight_streaming_matmul(func: tirx.PrimFunc):
+    """(matmul block, folded epilogue, m, n, k) of a `C[i, j] += X[i, k] * W[j, k]` (fp16/bf16,
+    float32 C, n and k static, k a whole number of 16-byte loads, both operands read along k, an
+    epilogue that is not gated), else None: what this template and the GEMV template take, at
+    their row counts."""
     found = float32_contraction(func)
     if found is None:
         return None
@@ -43,12 +44,16 @@ def _fit(func: tirx.PrimFunc):
     if len(extents) != 3 or matmul.k_is_last(block) != (True, True):
         return None
     m, n, k = (size_of(e) for e in extents)
-    if isinstance(m, int) and m > MAX_ROWS or k % VECTOR:
+    if k % VECTOR:
         return None
     folded = fold_epilogue(sch, epilogue, block.writes[0].source, extents[:-1])
-    if folded is None or folded.gated:
-        return None
-    return block, folded, m, n, k
+    return None if folded is None or folded.gated else (block, folded, m, n, k)
+
+
+def _fit(func: tirx.PrimFunc):
+    """weight_streaming_matmul(func) where m is at most MAX_ROWS or symbolic, else None."""
+    found = weight_streaming_matmul(func)
+    return None if found is None or isinstance(found[2], int) and found[2] > MAX_ROWS else found
 
 
 def knob_space(func: tirx.PrimFunc) -> list[dict]:
@@ -99,10 +104,24 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     return s_tir.Schedule(func.with_body(_kernel(*found, rows, warps, unroll)))
 
 
+def operand_element(block, load, row, col, kk):
+    """`load`'s element at the matmul `block`'s row, column and k."""
+    typed = {iv.var: tirx.Cast(str(iv.var.ty), x) for iv, x in zip(block.iter_vars, (row, col, kk))}
+    return load.source[tuple(substitute(index, typed) for index in load.indices)]
+
+
+def stored_result(block, ep, row, col, value):
+    """What the output holds at (row, col) of the matmul `block` followed by the epilogue `ep`,
+    given C's value there; and the output's indices."""
+    if ep.ivs is None:
+        return value, [tirx.Cast(str(iv.var.ty), x) for iv, x in zip(block.iter_vars, (row, col))]
+    bindings = {var: tirx.Cast(str(var.ty), x) for var, x in zip(ep.ivs, (row, col))}
+    return substitute(ep.value, {**bindings, ep.loads[0]: value}), list(bindings.values())
+
+
 def _kernel(block, ep, m, n, k, rows: int, warps: int, unroll: int) -> tirx.Stmt:
     """The loop nest, written against the original function's buffers."""
     x_load, w_load = multiply_accumulate(block.body)
-    row_var, col_var, k_var = (iv.var for iv in block.iter_vars)
     dtype = str(x_load.source.dtype)
     kind = MMA_TYPES[dtype]
     threads = warps * 32
@@ -126,18 +145,6 @@ def _kernel(block, ep, m, n, k, rows: int, warps: int, unroll: int) -> tirx.Stmt
         """C^T of X's row tile t += the step's k16 half s (A in a_f, B in slot u's vector of tile t)."""
         T.evaluate(T.ptx_legacy.mma("m16n8k16", "row", "col", kind, kind, "fp32", a_f.data, 0, regs.data,
                                     (u * slot + 2 + t) * VECTOR + s * 4, acc.data, 4 * t, False, dtype="float32"))
-
-    def element(load, row, col, kk):
-        """`load`'s element at the matmul's row, column and k."""
-        typed = {var: tirx.Cast(str(var.ty), x) for var, x in ((row_var, row), (col_var, col), (k_var, kk))}
-        return load.source[tuple(substitute(index, typed) for index in load.indices)]
-
-    def result(row, col, value):
-        """What the output holds at (row, col), given C's value there; and the output's indices."""
-        if ep.ivs is None:
-            return value, [tirx.Cast(str(row_var.ty), row), tirx.Cast(str(col_var.ty), col)]
-        bindings = {var: tirx.Cast(str(var.ty), x) for var, x in zip(ep.ivs, (row, col))}
-        return substitute(ep.value, {**bindings, ep.loads[0]: value}), list(bindings.values())
 
     def step_k(warp, i, u, q):
         """First k of lane q's 16 bytes in step (round i, slot u) of `warp`, held inside k."""
@@ -166,15 +173,16 @@ def _kernel(block, ep, m, n, k, rows: int, warps: int, unroll: int) -> tirx.Stmt
             for u in T.unroll(unroll):  # every load of the round first
                 for half in T.unroll(2):
                     for e in T.vectorized(VECTOR):
-                        regs[(u * slot + half) * VECTOR + e] = element(
-                            w_load, 0, T.min(bx * WEIGHT_ROWS + g + half * 8, n - 1), step_k(warp, i, u, q) + e)
+                        regs[(u * slot + half) * VECTOR + e] = operand_element(
+                            block, w_load, 0, T.min(bx * WEIGHT_ROWS + g + half * 8, n - 1), step_k(warp, i, u, q) + e)
                 for e in T.vectorized(VECTOR):
-                    regs[(u * slot + 2) * VECTOR + e] = element(x_load, T.min(g, m - 1), 0, step_k(warp, i, u, q) + e)
+                    regs[(u * slot + 2) * VECTOR + e] = operand_element(
+                        block, x_load, T.min(g, m - 1), 0, step_k(warp, i, u, q) + e)
                 for t in T.unroll(1, tiles):
                     if has_tile(t):  # see has_tile: this branch keeps the round's loads ahead of its mmas
                         for e in T.vectorized(VECTOR):
-                            regs[(u * slot + 2 + t) * VECTOR + e] = element(x_load, T.min(g + 8 * t, m - 1), 0,
-                                                                            step_k(warp, i, u, q) + e)
+                            regs[(u * slot + 2 + t) * VECTOR + e] = operand_element(
+                                block, x_load, T.min(g + 8 * t, m - 1), 0, step_k(warp, i, u, q) + e)
             for u in T.unroll(unroll):
                 if guarded:  # a step past k adds nothing
                     for e in T.unroll(tiles * VECTOR):
@@ -198,7 +206,7 @@ def _kernel(block, ep, m, n, k, rows: int, warps: int, unroll: int) -> tirx.Stmt
                                           + (e * threads + tx) // WEIGHT_ROWS]
                 row, col = T.meta_var(((e * threads + tx) // WEIGHT_ROWS, bx * WEIGHT_ROWS + (e * threads + tx) % WEIGHT_ROWS))
                 if tirx.Cast(rows_type, row) < m and col < n:
-                    value, indices = T.meta_var(result(row, col, acc[0]))
+                    value, indices = T.meta_var(stored_result(block, ep, row, col, acc[0]))
                     T.buffer_store(ep.out, value, indices)
 
     return kernel.body

@@ -14,7 +14,8 @@ import tvm
 from tvm import tirx
 from tvm.target import Target
 
-from tvm_ext.schedules import conv2d, matmul, wgmma_matmul
+from tvm_ext.schedules import conv2d, gemv, matmul, wgmma_matmul
+from tvm_ext.schedules.few_row_matmul import VECTOR, weight_streaming_matmul
 from tvm_ext.schedules.analysis import ReducePattern, const_int, match
 from tvm_ext.schedules.contracts import WARP
 from tvm_ext.schedules.device import Device, device_of
@@ -137,6 +138,24 @@ def conv2d_features(block, knobs: dict, epilogue: bool, device: Device) -> np.nd
     return np.asarray(values, dtype="float32")
 
 
+def gemv_features(n: int, k: int, item: int, knobs: dict, epilogue: bool, device: Device) -> np.ndarray:
+    """The same quantities for a GEMV candidate: n outputs, each a row of W (k long) reduced by a
+    group of `split` warps; `unroll` steps of 16 bytes a row in flight; `rows` rows a group."""
+    rows, warps, split, unroll = (int(knobs[x]) for x in gemv.KNOBS)
+    threads, lanes = warps * 32, 32 * split
+    blocks = -(-n // (warps // split * rows))
+    registers = min(255, 32 + (rows + 1) * unroll * VECTOR * item // 4)  # the loads in flight, 4 bytes a register
+    resident = device.resident_blocks(threads, registers, warps * rows * 4)
+    slots = max(1, device.sm_count * resident)
+    waves = blocks / slots
+    values = [0.0] * len(STRATEGIES) + [1.0, 0.0] + [
+        math.log2(k), math.log2(n), math.log2((n * k + k) * item + n * 4), 1, float(epilogue), 0.0, threads,
+        math.log2(blocks), waves, blocks / (math.ceil(waves) * slots), threads * resident / device.threads_per_sm,
+        math.log2(rows * k * item / lanes), VECTOR * item, 0.0, warps * rows * 4, math.log2(lanes),
+        math.log2(VECTOR * lanes), unroll, math.log2(rows), 0.0]
+    return np.asarray(values, dtype="float32")
+
+
 def candidate_features(func: tirx.PrimFunc, points: list[dict], target: Target) -> np.ndarray:
     """[len(points), len(NAMES)] features of the candidates `points` of one task."""
     if not points:
@@ -146,6 +165,10 @@ def candidate_features(func: tirx.PrimFunc, points: list[dict], target: Target) 
         sch, block, epilogue = matmul.contraction(func, over_c=False)  # a gated epilogue too
         featurize = wgmma_features if points[0]["strategy"] == wgmma_matmul.NAME else matmul_features
         return np.stack([featurize(sch.get(block), knobs, bool(epilogue), device) for knobs in points])
+    if points[0]["strategy"] == gemv.NAME:
+        block, folded, _, n, k = weight_streaming_matmul(func)
+        item = matmul.operand_itemsize(block)
+        return np.stack([gemv_features(n, k, item, knobs, folded.ivs is not None, device) for knobs in points])
     if points[0]["strategy"] == conv2d.NAME:
         sch, _, block, epilogue = conv2d.convolution(func)
         return np.stack([conv2d_features(sch.get(block), knobs, bool(epilogue), device) for knobs in points])

@@ -25,20 +25,24 @@ def joined(mod, target=SM_90A) -> tvm.IRModule:
         return combine_parallel_linears(mod)
 
 
-def linears(weights=WEIGHTS, same_input=True, param_weight=False, matmul_reused=False, dtype="float16") -> tvm.IRModule:
+def linears(weights=WEIGHTS, same_input=True, param_weight=False, matmul_reused=False, dtype="float16",
+            rows=16) -> tvm.IRModule:
     """sum of x @ W_i^T over the layers, each Linear spelled as the frontend writes it: its own
-    reshape of x to rows, matmul in float32 by the permuted weight, astype fp16 (or `dtype`)."""
+    reshape of x to `rows` rows (16, 1 or "m": symbolic), matmul in float32 by the permuted weight,
+    astype fp16 (or `dtype`)."""
     weights = [w.astype(dtype) for w in weights]
-    x = relax.Var("x", relax.TensorType([2, 8, 32], dtype))
-    y = relax.Var("y", relax.TensorType([2, 8, 32], dtype))
+    rows = tvm.tirx.Var("m", "int64") if rows == "m" else rows
+    lead = [2, 8] if rows == 16 else [rows, 1]
+    x = relax.Var("x", relax.TensorType([*lead, 32], dtype))
+    y = relax.Var("y", relax.TensorType([*lead, 32], dtype))
     w_param = relax.Var("w", relax.TensorType(list(weights[-1].shape), dtype))
 
     def body(bb, x, y, w_param):
         outs = []
         for i, weight in enumerate(weights):
-            rows = bb.emit(relax.op.reshape(x if same_input or i == 0 else y, [16, 32]))
+            rows_of_x = bb.emit(relax.op.reshape(x if same_input or i == 0 else y, [rows, 32]))
             w = w_param if param_weight and i == len(weights) - 1 else relax.const(weight)
-            mm = bb.emit(relax.op.matmul(rows, bb.emit(relax.op.permute_dims(w, [1, 0])), out_dtype="float32"))
+            mm = bb.emit(relax.op.matmul(rows_of_x, bb.emit(relax.op.permute_dims(w, [1, 0])), out_dtype="float32"))
             out = bb.emit(relax.op.astype(mm, dtype))
             outs.append(bb.emit(relax.op.sum(out, axis=[1])))
             if matmul_reused and i == 0:
@@ -93,6 +97,28 @@ def test_the_callers_module_is_left_as_it_was():
 def test_layers_it_cannot_or_need_not_join_are_left_alone(options):
     mod = linears(**options)
     assert matmuls(joined(mod)) == matmuls(mod)
+
+
+@pytest.mark.parametrize("rows", [1, "m"])
+def test_one_row_or_a_symbolic_row_count_is_joined_however_narrow(rows):
+    """One row: a GEMV over the joint weight (one launch, one tail); a symbolic count: its one-row
+    kernel is that GEMV. Two layers of one width are concatenated, not interleaved: a gated epilogue
+    is the wgmma template's alone."""
+    narrow = [WEIGHTS[2], WEIGHTS[2][::-1].copy()]
+    after = joined(linears(narrow, rows=rows))
+    assert matmuls(after) == 1
+    (weight,) = [c.value.numpy() for c in _constants(after["main"]) if c.value.numpy().shape[0] == 128]
+    assert np.array_equal(weight, np.concatenate(narrow))
+
+
+def test_symbolic_joins_match_the_layers_apart():
+    mod = linears([WEIGHTS[2]] * 3, rows="m")
+    after = joined(mod)
+    assert matmuls(after) == 1
+    for m in (1, 5):
+        x, y, w = (RNG.standard_normal(s).astype("float16") for s in ([m, 1, 32], [m, 1, 32], [64, 32]))
+        for got, want in zip(run(after, x, y, w), run(mod, x, y, w)):
+            np.testing.assert_allclose(got.astype("float32"), want.astype("float32"), rtol=2e-3, atol=2e-3)
 
 
 def test_cpu_targets_keep_their_layers():

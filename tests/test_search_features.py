@@ -35,3 +35,18 @@ def test_features_follow_the_knobs():
     assert block[(128, 1, True)][col["vector_bytes"]] < small[col["vector_bytes"]]
     assert all(row[col["is_block_row"]] == 1 and row[col["is_warp_row"]] == 0 for row in block.values())
     assert 0 < small[col["sm_utilisation"]] <= 1 and 0 < small[col["occupancy"]] <= 1
+
+
+def test_gemv_candidates_have_features_that_follow_their_knobs():
+    """One-row matmuls are tuned too (schedules/gemv.py)."""
+    from test_few_row_matmul import matmul_func  # noqa: PLC0415
+
+    func = matmul_func(4096, 4096, rows=1)
+    points = knob_space(func, TARGET)
+    x = candidate_features(func, points, TARGET)
+    assert points and all(p["strategy"] == "gemv" for p in points)
+    assert x.shape == (len(points), len(NAMES)) and np.isfinite(x).all() and len({tuple(r) for r in x}) == len(points)
+    col = {name: i for i, name in enumerate(NAMES)}
+    row = {tuple(p[k] for k in ("rows", "warps", "split", "unroll")): r for p, r in zip(points, x)}
+    assert row[(2, 4, 4, 4)][col["log2_lanes_per_row"]] == row[(2, 4, 1, 4)][col["log2_lanes_per_row"]] + 2
+    assert row[(2, 4, 4, 8)][col["pipeline_stages"]] == 8 and row[(4, 4, 4, 4)][col["log2_blocks"]] == 10  # 4096 / 4

@@ -1,6 +1,6 @@
 """Matmuls with a symbolic row count (a sequence length): one build serves every length. Each
 class of row counts gets its kernel, chosen at run time by a compare on the host: one row is
-dlight's GEMV over the weight as stored, up to 16 and 32 the few-row template (tests/test_few_row_matmul.py),
+our GEMV over the weight as stored (tests/test_gemv.py), up to 16 and 32 the few-row template (tests/test_few_row_matmul.py),
 the others our tensor-core templates (wgmma on sm_90a, mma.sync elsewhere) with tiles planned for the
 class, their last row of tiles guarded."""
 
@@ -54,7 +54,7 @@ def test_each_row_class_gets_a_kernel_of_its_own(arch, tensor_core, dtype):
     assert len(variants) >= 5, sorted(bodies)
     single, *few = variants[:3]  # _v0: one row; _v1, _v2: up to 16 and 32
     tiled = variants[3:]
-    assert "__shfl" in bodies[single] and "mma" not in bodies[single]
+    assert "__shfl" in bodies[single] and "mma" not in bodies[single] and "threadIdx.y" not in bodies[single]  # ours, not dlight's
     assert all("mma.sync.aligned.m16n8k16" in bodies[name] for name in few)
     assert all(tensor_core in bodies[name] for name in tiled), tiled
 

@@ -14,6 +14,7 @@ from tvm.s_tir import dlight as dl
 from tvm.target import Target
 
 from tvm_ext import schedules
+from tvm_ext.schedules import gemv
 from tvm_ext.schedules.analysis import is_reduce_subgraph
 from tvm_ext.schedules.device import device_of
 from tvm_ext.schedules.elementwise import Elementwise
@@ -26,6 +27,7 @@ from .relax.gated_linears import fuse_gated_epilogues
 from .relax.half_math import half_math_in_float
 from .relax.legalize import legalizations
 from .tir.narrowing import OURS, narrow_indices
+from .tir.symbolic_wraps import drop_symbolic_wraps
 from .tir import BUILT_BY_US, check_builds
 from .relax.parallel_matmuls import combine_parallel_linears
 from .records import Database
@@ -103,7 +105,7 @@ class ScheduleContractions:
     """Schedule fp16/bf16/int8 matmuls and direct convolutions, with the elementwise work FuseOps put
     after them, with our GPU templates (knobs from the tuning log, else the template's heuristic);
     the auto-tensorization TIR pass makes tensor-core code of the matmuls at build time. A symbolic
-    row count gets a kernel per class of row counts, chosen at run time (one row: dlight's GEMV).
+    row count gets a kernel per class of row counts, chosen at run time (one row: a GEMV).
     The rest (other symbolic sizes, rows not a whole number of 16-byte vectors), and a function
     whose schedule raises anywhere up to code generation (one warning), stays for TVM's dlight rules."""
 
@@ -123,8 +125,8 @@ class ScheduleContractions:
                 kernels = [(None, schedules.schedule(func, target, knobs))] if knobs else \
                     [(cond, sch) for cond, _, sch in schedules.contraction_kernels(func, target)]
                 rows = schedules.symbolic_rows(func)
-                gemv = _single_row_kernel(func, rows, target) if rows is not None else None
-                for sch in [sch for _, sch in kernels] + [gemv]:
+                one_row = _single_row_kernel(func, rows, target) if rows is not None else None
+                for sch in [sch for _, sch in kernels] + [one_row]:
                     if sch is not None:
                         check_builds(sch.mod["main"], gv.name_hint, target)
             except Exception as err:  # noqa: BLE001 (a template bug must cost speed, never the build)
@@ -134,15 +136,16 @@ class ScheduleContractions:
                 # a symbolic row count: int32 twins where the sizes allow (tvm_ext/tir/narrowing.py)
                 scheduled = [(cond, sch.mod["main"].with_attrs({SCHEDULED: True, OURS: rows is not None}))
                              for cond, sch in kernels]
-                _install(builder, gv, ([(rows == 1, gemv.mod["main"].with_attr(SCHEDULED, True))] if gemv else [])
+                _install(builder, gv, ([(rows == 1, one_row.mod["main"].with_attr(SCHEDULED, True))] if one_row else [])
                          + scheduled, dispatch)
         return _dispatched(builder, dispatch)
 
 
 def _single_row_kernel(func: tirx.PrimFunc, rows, target: Target) -> s_tir.Schedule | None:
-    """dlight's GEMV of a matmul with a symbolic row count `rows` at one row (specialised to 1;
-    judged on the portable architecture, as in dlight_defaults), or None where the rule refuses it:
-    one row is memory-bound, and a tile of rows would read the weight below bandwidth."""
+    """The GEMV of a matmul with a symbolic row count `rows` at one row (specialised to 1): our GEMV
+    template's, else dlight's rule (judged on the portable architecture, as in dlight_defaults);
+    None where both refuse it. One row is memory-bound, and a tile of rows would read the weight
+    below bandwidth."""
     if not isinstance(rows, tirx.Var):
         return None
     param = next((p for p in func.params if any(d.same_as(rows) for d in getattr(p, "shape", []))), None)
@@ -150,8 +153,12 @@ def _single_row_kernel(func: tirx.PrimFunc, rows, target: Target) -> s_tir.Sched
         return None
     one = tirx.decl_buffer([tirx.IntImm(str(rows.ty), 1) if d.same_as(rows) else d for d in param.shape], param.dtype,
                            name=param.name)
+    single = func.specialize({param: one})
+    found = gemv.heuristic(single, device_of(target).sm_count)
+    if found is not None:
+        return found[1]
     with without_arch_specific(target) if target.kind.name == "cuda" else target:
-        return dl.gpu.GEMV().apply(func.specialize({param: one}), Target.current(), False)
+        return dl.gpu.GEMV().apply(single, Target.current(), False)
 
 
 def fused_passes(target, **options) -> list:
@@ -163,7 +170,8 @@ def fused_passes(target, **options) -> list:
     reductions done in float32 with PyTorch's rounding points (half_math.py), library dispatch, the
     pairing of mean with variance (Welford), activations and residual adds moved before reshapes and
     matmuls by a transposed operand reading it untransposed (layout_rewrites.py), legalization (split-K for few-row
-    matmuls on GPUs, split_k.py), and fusion (FuseOps, then ours: around reductions, and a gated
+    matmuls on GPUs, split_k.py) with the index wraps of symbolic reshapes dropped where they cannot wrap
+    (tir/symbolic_wraps.py), and fusion (FuseOps, then ours: around reductions, and a gated
     activation into its matmul)."""
     variance = options.get("variance", "welford")
     statistics = [welford.pair_mean_with_variance] if variance == "welford" else []
@@ -176,6 +184,7 @@ def fused_passes(target, **options) -> list:
         guarded(read_transposed_operand),
         relax.transform.LegalizeOps(customize_legalize_map=fallback.guarded_legalizations({**legalizations(variance),
                                                                                            **split_k})),
+        guarded(drop_symbolic_wraps),
         relax.transform.AnnotateTIROpPattern(),
         guarded(reductions_apart),
         relax.transform.FoldConstant(),

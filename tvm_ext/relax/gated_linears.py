@@ -110,4 +110,4 @@ def _is_run_view(call, param) -> bool:
     out = call.ty_args[0]  # a tuple for a kernel with several outputs
     shape = out.shape if isinstance(out, relax.TensorType) else None
     return any(a.same_as(param) for a in call.args[1].fields) and shape is not None and \
-        [int(d) for d in shape.values[-2:]] == [2, GATE_RUN]
+        [d.value if isinstance(d, tvm.tirx.IntImm) else None for d in shape.values[-2:]] == [2, GATE_RUN]

@@ -1,8 +1,11 @@
 """Linear layers that read the same input, with constant weights, become one wider matmul (GPUs).
 
 Joined, the output has enough 128 x 256 tiles for two waves of the wgmma template's fastest kernel
-and the input is read once; layers are joined only where that holds (smaller joins are slower).
-Each layer's result becomes a slice of the joint output. TVM's CombineParallelMatmul does not fit:
+and the input is read once; layers of a static row count are joined only where that holds
+(smaller joins are slower), or where they are one row (a GEMV: one launch, one tail, for all).
+Layers of a symbolic row count (a sequence length, a decoding batch) are joined always: their
+kernel for one row is a GEMV and those for more rows gain the tiles. Each layer's result becomes a
+slice of the joint output. TVM's CombineParallelMatmul does not fit:
 it needs one input variable and gives FuseOps a tuple output. See docs/design.md#warpgroup-matmuls-wgmma."""
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from tvm_ext.schedules.contracts import WGMMA_TYPES, WIDE_TILE, WIDE_TILE_WAVES
 from tvm_ext.schedules.device import device_of
 
 from . import gated_linears
-from .bindings import Bindings, op_name, shape_of, static_shape
+from .bindings import Bindings, op_name, shape_of
 
 LOG = logging.getLogger(__name__)
 
@@ -38,8 +41,8 @@ def _weight(value, chain: Bindings) -> np.ndarray | None:
 
 def _linears(func: relax.Function) -> dict:
     """{input key: [(astype var, matmul var, weight)]} of func's `astype(matmul(x, W^T), t)`
-    bindings with static inputs of one wgmma operand type t (fp16, bf16), the matmul used only by
-    its astype; the key is x, or (x, shape) for a reshape of x, so the frontend's per-layer
+    bindings with 2-D inputs (K static) of one wgmma operand type t (fp16, bf16), the matmul used
+    only by its astype; the key is x, or (x, shape) for a reshape of x, so the frontend's per-layer
     reshapes of one input group together."""
     chain = Bindings(func)
     groups: dict = {}
@@ -51,12 +54,12 @@ def _linears(func: relax.Function) -> dict:
         if op_name(mm) != "relax.matmul" or not chain.only_use(cast.args[0]) or str(mm.args[0].ty.dtype) != dtype:
             continue
         weight, lhs = _weight(mm.args[1], chain), mm.args[0]
-        shape = static_shape(lhs)
+        shape = shape_of(lhs)
         if weight is None or str(weight.dtype) != dtype or shape is None or len(shape) != 2 \
                 or weight.shape[1] != shape[1]:
             continue
         source = chain.producer(lhs)
-        key = (source.args[0], tuple(shape)) if op_name(source) == "relax.reshape" else lhs
+        key = (source.args[0], str(shape)) if op_name(source) == "relax.reshape" else lhs
         groups.setdefault(key, []).append((var, cast.args[0], weight))
     return {key: group for key, group in groups.items() if len(group) > 1}
 
@@ -66,6 +69,12 @@ def worth_joining(rows: int, columns: int, sm_count: int) -> bool:
     before it takes them."""
     block_m, block_n = WIDE_TILE
     return -(-rows // block_m) * -(-columns // block_n) >= WIDE_TILE_WAVES * sm_count
+
+
+def _joins(rows, columns: int, sm_count: int) -> bool:
+    """Whether layers of `rows` rows (an int, or symbolic) and `columns` output columns in all are
+    joined (see the module docstring)."""
+    return not isinstance(rows, int) or rows == 1 or worth_joining(rows, columns, sm_count)
 
 
 @relax.expr_functor.mutator
@@ -80,7 +89,8 @@ class _Combiner(relax.PyExprMutator):
         group = self.first.get(binding.var)
         if group is not None:  # the joint matmul stands where the group's first one stood
             weights = [w for *_, w in group]
-            paired = self.interleave and gated_linears.interleavable(weights)
+            rows = shape_of(binding.var)[0]  # a gated epilogue is the wgmma template's alone: static rows it takes
+            paired = self.interleave and gated_linears.interleavable(weights) and isinstance(rows, int) and rows > 1
             lhs = self.visit_expr(binding.value.args[0])
             weight = gated_linears.interleaved(weights) if paired else np.concatenate(weights)
             joint = self.builder_.emit(relax.op.astype(self.builder_.emit(relax.op.matmul(
@@ -110,7 +120,7 @@ def combine_parallel_linears(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         if not isinstance(func, relax.Function):
             continue
         groups = {key: group for key, group in _linears(func).items()
-                  if worth_joining(shape_of(group[0][1])[0], sum(w.shape[0] for *_, w in group), device.sm_count)}
+                  if _joins(shape_of(group[0][1])[0], sum(w.shape[0] for *_, w in group), device.sm_count)}
         if not groups:
             continue
         combiner = _Combiner(mod, groups, device.wgmma)

@@ -1,0 +1,67 @@
+"""Index wraps a symbolic shape leaves in legalized TIR, dropped where they cannot wrap.
+
+TOPI's reshape of a tensor with a symbolic dim s reads `x[(... + i) % s, ...]`: provably `x[i, ...]`
+for i in [0, s), but TVM's simplifier does not prove it, and AnnotateTIROpPattern calls such a
+function opaque. FuseOps then fuses nothing across it: in a build for any batch or length each
+slice of a joined matmul's output became a kernel of its own. Here `a % b` and `a // b` whose `a`
+lies in [0, b) become `a` and 0, the block's iterators bound to their domains and the function's
+symbolic dims to at least 1 (a tensor of a dim 0 holds nothing to index)."""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+from tvm.s_tir.stmt import SBlock
+
+
+def _symbolic_dims(func: tirx.PrimFunc) -> list:
+    """The tirx.Vars among the function's buffer shapes."""
+    found = {}
+    for param in func.params:
+        for dim in getattr(param, "shape", []):
+            for var in [] if isinstance(dim, tirx.IntImm) else tirx.analysis.undefined_vars(dim):
+                found[var.name] = var
+    return list(found.values())
+
+
+def drop_wraps(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`func` with its wraps that cannot wrap dropped (see the module docstring); itself when it has none."""
+    dims = _symbolic_dims(func)
+    if not dims:
+        return func
+    analyzer = tvm.sym.Analyzer()
+    for dim in dims:
+        analyzer.bind(dim, tvm.ir.Range.from_min_extent(tirx.IntImm(str(dim.ty), 1), tirx.IntImm(str(dim.ty), 2**31 - 1)))
+
+    def bind(block):
+        for iv in block.iter_vars:
+            analyzer.bind(iv.var, iv.dom)
+        return block
+
+    tvm_ffi.structural_map(func.body, (SBlock, bind))  # every block's iterators, before any index is read
+
+    def within(a, b) -> bool:
+        return analyzer.can_prove(a >= 0) and analyzer.can_prove(a < b)
+
+    def wrap(expr):
+        return expr.a if within(expr.a, expr.b) else expr
+
+    def quotient(expr):
+        return tirx.IntImm(str(expr.ty), 0) if within(expr.a, expr.b) else expr
+
+    body = tvm_ffi.structural_map(func.body, [(tirx.FloorMod, wrap), (tirx.FloorDiv, quotient)])
+    return func if body.same_as(func.body) else func.with_body(body)
+
+
+@tvm.transform.module_pass(opt_level=0, name="TVMExtDropSymbolicWraps")
+def drop_symbolic_wraps(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """drop_wraps on every PrimFunc of `mod`."""
+    out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
+    changed = False
+    for gv, func in mod.functions_items():
+        if isinstance(func, tirx.PrimFunc):
+            plain = drop_wraps(func)
+            if not plain.same_as(func):
+                out[gv], changed = plain, True
+    return out if changed else mod
