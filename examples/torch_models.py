@@ -161,6 +161,7 @@ CONFIGS = {
     "llama-seq4": (LlamaLayer, (1, 4, 4096), torch.float16),  # a small batch's step
     "llama-seq16": (LlamaLayer, (1, 16, 4096), torch.float16),
     "llama-seq512": (LlamaLayer, (1, 512, 4096), torch.float16),
+    "llama-seq512-bf16": (LlamaLayer, (1, 512, 4096), torch.bfloat16),  # as LLaMA, Mistral and Qwen checkpoints ship
     "llama-seq2048": (LlamaLayer, (1, 2048, 4096), torch.float16),
     "bert-seq128": (BertLayer, (8, 128, 768), torch.float16),
     "bert-seq512": (BertLayer, (8, 512, 768), torch.float16),

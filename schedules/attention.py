@@ -1,7 +1,7 @@
 """Fused softmax attention on Hopper (`wgmma`): softmax(Q K^T * scale [+ mask]) V in one kernel.
 
 FlashAttention's online softmax: no materialized score matrix. Q, K, V and the output may be
-strided views into other tensors. Limits: fp16, head dims 64 and 128, finite mask values >= MASK_FLOOR
+strided views into other tensors. Limits: fp16 or bf16, head dims 64 and 128, finite mask values >= MASK_FLOOR
 (no mask with a symbolic length: a scalar parameter of the kernel); sequences that are not whole
 tiles run clamped. See
 docs/design.md#attention and docs/attention.md."""
@@ -13,11 +13,11 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .contracts import COPY_ELEMS, MASK_DTYPES
+from .contracts import COPY_ELEMS, MASK_DTYPES, WGMMA_TYPES
 from .strided_view import StridedView
 from .wgmma_matmul import ATOM_BYTES, ROWS, SWIZZLE_128B, WARPGROUP, accumulator_position, swizzled
 
-ATOM_COLS = 64  # fp16 columns of one 128-byte swizzled row
+ATOM_COLS = 64  # 2-byte columns of one 128-byte swizzled row
 HEAD_DIMS = (64, 128)
 MASKED = -1.0e30  # finite: a fully masked row of a tile then adds exp2(-1e30 - m) = 0, never NaN
 LOG2E = 1.4426950408889634
@@ -52,11 +52,12 @@ def fits(batch: int, seq_q: int, seq_kv: int, dim: int, causal: bool, warpgroups
 
 def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: bool,
            warpgroups: int = 1, block_n: int = 64, given: dict[str, Operand] | None = None,
-           mask: tuple | None = None, empty_rows_zero: bool = False) -> tirx.PrimFunc:
+           mask: tuple | None = None, empty_rows_zero: bool = False, dtype: str = "float16") -> tirx.PrimFunc:
     """The attention PrimFunc (q, k, v, out), or (q, k, v, mask, out) with a `mask` (tensor shape,
     view, dtype: see `fits`), for these sizes; `scale` multiplies the scores; `given` places
     operands in other tensors (default: contiguous [batch, seq, dim] each); `empty_rows_zero`: a
-    row whose every key the mask sets to -inf gives 0 (else NaN).
+    row whose every key the mask sets to -inf gives 0 (else NaN); `dtype`: of q, k, v and the
+    output, fp16 or bf16 (the probabilities are rounded to it for their product with V).
     Defaults: one warpgroup per block, 64-key tiles, the fastest on every BERT and LLaMA shape
     timed (measured: see docs/design.md#attention)."""
     if not fits(batch, seq_q, seq_kv, dim, causal, warpgroups, block_n, given, mask):
@@ -75,8 +76,9 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
     q_tiles, kv_tiles = -(-seq_q // bm), -(-seq_kv // block_n)
     ragged_q, ragged_kv = (not isinstance(seq, int) or seq % tile != 0 for seq, tile in ((seq_q, bm), (seq_kv, block_n)))
     scale_log2 = float(scale) * LOG2E
-    s_mma = f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.f16.f16"
-    o_mma = f"wgmma.mma_async.sync.aligned.m64n{dim}k16.f32.f16.f16"
+    kind = WGMMA_TYPES[dtype]
+    s_mma = f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.{kind}.{kind}"
+    o_mma = f"wgmma.mma_async.sync.aligned.m64n{dim}k16.f32.{kind}.{kind}"
     full = 0xFFFFFFFF
     masked = mask is not None
     m_shape, m_at, m_dtype = (mask[0], mask[1].element, mask[2]) if masked else ((1,), None, "float16")
@@ -109,19 +111,19 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
         return T.tvm_warp_shuffle_xor(full, x, lane_mask, 32, 32)
 
     @T.prim_func(check_well_formed=False)
-    def attention(q_in: T.Buffer(q_shape, "float16"), k_in: T.Buffer(k_shape, "float16"),
-                  v_in: T.Buffer(v_shape, "float16"), m_in: T.Buffer(m_shape, m_dtype), out_in: T.Buffer(out_shape, "float16")):
+    def attention(q_in: T.Buffer(q_shape, dtype), k_in: T.Buffer(k_shape, dtype),
+                  v_in: T.Buffer(v_shape, dtype), m_in: T.Buffer(m_shape, m_dtype), out_in: T.Buffer(out_shape, dtype)):
         T.func_attr({"tirx.noalias": True})
-        q = T.decl_buffer((math.prod(q_shape),), "float16", data=q_in.data)  # flat: indexed through the views
-        k = T.decl_buffer((math.prod(k_shape),), "float16", data=k_in.data)
-        v = T.decl_buffer((math.prod(v_shape),), "float16", data=v_in.data)
-        out = T.decl_buffer((math.prod(out_shape),), "float16", data=out_in.data)
+        q = T.decl_buffer((math.prod(q_shape),), dtype, data=q_in.data)  # flat: indexed through the views
+        k = T.decl_buffer((math.prod(k_shape),), dtype, data=k_in.data)
+        v = T.decl_buffer((math.prod(v_shape),), dtype, data=v_in.data)
+        out = T.decl_buffer((math.prod(out_shape),), dtype, data=out_in.data)
         if masked:
             m = T.decl_buffer((math.prod(m_shape),), m_dtype, data=m_in.data)
         bz = T.launch_thread("blockIdx.y", batch)
         bx = T.launch_thread("blockIdx.x", q_tiles)
         tx = T.launch_thread("threadIdx.x", threads)
-        smem = T.alloc_buffer((k_base + 2 * stage_elems,), "float16", scope="shared.dyn")
+        smem = T.alloc_buffer((k_base + 2 * stage_elems,), dtype, scope="shared.dyn")
         s_acc = T.alloc_buffer((s_regs,), "float32", scope="local")
         o_acc = T.alloc_buffer((o_regs,), "float32", scope="local")
         row_m = T.alloc_buffer((2,), "float32", scope="local")  # running maximum (log2 units) of this thread's 2 rows
@@ -207,7 +209,7 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
                 row, col = T.meta_var(accumulator_position(tx, r))
                 s_acc[r] = T.exp2(s_acc[r] - row_m[r // 2 % 2])
                 row_l[r // 2 % 2] = row_l[r // 2 % 2] + s_acc[r]
-                smem[p_base + swizzled(row, col, bm)] = T.Cast("float16", s_acc[r])
+                smem[p_base + swizzled(row, col, bm)] = T.Cast(dtype, s_acc[r])
             for r in T.unroll(o_regs):
                 o_acc[r] = o_acc[r] * alpha[r // 2 % 2]
             T.ptx["fence.proxy.async.shared::cta"]()  # P written by every thread, then read by wgmma
@@ -225,9 +227,9 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
             row_l[h] = row_l[h] + across_row(row_l[h], 2)
         for r in T.unroll(o_regs):
             row, col = T.meta_var(accumulator_position(tx, r))
-            result = T.meta_var(T.Cast("float16", T.if_then_else(
+            result = T.meta_var(T.Cast(dtype, T.if_then_else(
                 row_l[r // 2 % 2] > T.float32(0), o_acc[r] / row_l[r // 2 % 2], T.float32(0)))
-                if empty_rows_zero else T.Cast("float16", o_acc[r] / row_l[r // 2 % 2]))  # empty: o and l are 0
+                if empty_rows_zero else T.Cast(dtype, o_acc[r] / row_l[r // 2 % 2]))  # empty: o and l are 0
             if ragged_q:
                 if qb * bm + row < seq_q:  # rows past the sequence's end are not stored
                     out[out_at(bz, qb * bm + row, col)] = result

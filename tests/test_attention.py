@@ -200,6 +200,15 @@ def test_a_symbolic_length_is_fused_only_where_rows_align_at_every_length(row_of
     assert calls_of(fused(main_module(body, [flat, k, v]))) == (["fused_attention"] if row_of == 64 else [])
 
 
+@pytest.mark.parametrize("make, dynamic", [("bert", None), ("llama", None), ("llama", {0: {1: "seq"}})])
+def test_bf16_layers_are_fused_too(make, dynamic):
+    torch = pytest.importorskip("torch")
+    module, x = {"bert": bert, "llama": llama}[make](torch, seq=128)
+    with SM_90A:
+        after = fuse_attention(tvm_ext.from_torch(module.bfloat16(), x.bfloat16(), dynamic=dynamic))
+    assert calls_of(after) == ["fused_attention"] and "bfloat16" in kernel_of(after)
+
+
 def test_the_symbolic_llama_layer_has_one_causal_attention_kernel_and_no_mask():
     torch = pytest.importorskip("torch")
     module, x = llama(torch)
@@ -211,13 +220,14 @@ def test_the_symbolic_llama_layer_has_one_causal_attention_kernel_and_no_mask():
     assert "R.nn.softmax" not in main and "R.greater_equal" not in main  # no causal mask is computed
 
 
-@pytest.mark.parametrize("dim, causal", [(64, False), (128, True)])
-def test_the_cuda_is_two_warpgroup_mmas_around_an_online_softmax(dim, causal):
-    func = attention.kernel(4, 128, 128, dim, 1 / math.sqrt(dim), causal).with_attr("global_symbol", "attention")
+@pytest.mark.parametrize("dim, causal, dtype", [(64, False, "float16"), (128, True, "float16"), (128, True, "bfloat16")])
+def test_the_cuda_is_two_warpgroup_mmas_around_an_online_softmax(dim, causal, dtype):
+    func = attention.kernel(4, 128, 128, dim, 1 / math.sqrt(dim), causal, dtype=dtype).with_attr("global_symbol", "attention")
     lib = tvm.compile(tvm.IRModule({"attention": func}), target=SM_90A)
     src = (lib.mod if hasattr(lib, "mod") else lib).imports[0].inspect_source()
-    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16" in src  # S: 64 keys per tile
-    assert f"wgmma.mma_async.sync.aligned.m64n{dim}k16.f32.f16.f16" in src  # O += P V
+    kind = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    assert f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{kind}.{kind}" in src  # S: 64 keys per tile
+    assert f"wgmma.mma_async.sync.aligned.m64n{dim}k16.f32.{kind}.{kind}" in src  # O += P V
     assert src.count("__shfl_xor_sync") == 8  # max and sum over the 4 lanes of a row, 2 rows per thread
     assert "exp2f" in src and "cp.async.cg.shared.global" in src
     assert ("for (int j = 0; j < 2;" in src) != causal  # causal: the key tiles a block walks depend on its rows
@@ -627,20 +637,22 @@ def reference(torch, q, k, v, scale, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch, seq_q, seq_kv, dim, causal", [
-    (3, 128, 256, 64, False), (2, 192, 192, 128, True), (4, 64, 64, 64, True), (2, 256, 64, 128, False),
-    (2, 100, 100, 128, True), (3, 65, 65, 64, False), (2, 33, 200, 64, False), (1, 1, 1, 64, False)])
-def test_kernel_matches_float64_attention(batch, seq_q, seq_kv, dim, causal):
+@pytest.mark.parametrize("batch, seq_q, seq_kv, dim, causal, dtype", [
+    (3, 128, 256, 64, False, "float16"), (2, 192, 192, 128, True, "float16"), (4, 64, 64, 64, True, "float16"),
+    (2, 256, 64, 128, False, "float16"), (2, 100, 100, 128, True, "float16"), (3, 65, 65, 64, False, "float16"),
+    (2, 33, 200, 64, False, "float16"), (1, 1, 1, 64, False, "float16"),
+    (2, 192, 192, 128, True, "bfloat16"), (3, 65, 200, 64, False, "bfloat16")])
+def test_kernel_matches_float64_attention(batch, seq_q, seq_kv, dim, causal, dtype):
     torch = pytest.importorskip("torch")
-    scale = 1 / math.sqrt(dim)
-    lib = tvm.compile(tvm.IRModule({"attention": attention.kernel(batch, seq_q, seq_kv, dim, scale, causal)
+    scale, typed = 1 / math.sqrt(dim), getattr(torch, dtype)
+    lib = tvm.compile(tvm.IRModule({"attention": attention.kernel(batch, seq_q, seq_kv, dim, scale, causal, dtype=dtype)
                                     .with_attr("global_symbol", "attention")}), target=tvm_ext.parse_target("cuda"))
-    q, v = (torch.randn(batch, n, dim, device="cuda").half() for n in (seq_q, seq_kv))
-    k = torch.randn(batch, seq_kv, dim, device="cuda").half() * 3  # scores spread over a wide range
+    q, v = (torch.randn(batch, n, dim, device="cuda").to(typed) for n in (seq_q, seq_kv))
+    k = torch.randn(batch, seq_kv, dim, device="cuda").to(typed) * 3  # scores spread over a wide range
     out = torch.full_like(q, float("nan"))
     lib["attention"](*[tvm.runtime.from_dlpack(x) for x in (q, k, v, out)])
     want = reference(torch, q, k, v, scale, causal)
-    assert float((out.double() - want).abs().max()) < 2e-3
+    assert float((out.double() - want).abs().max()) < (2e-3 if dtype == "float16" else 1.6e-2)  # P rounded to bf16
 
 
 @pytest.mark.gpu
@@ -679,6 +691,27 @@ def test_fp16_models_with_fused_attention_match_pytorch(make):
     with torch.no_grad():
         want = module.float()(x.float()).numpy()
     np.testing.assert_allclose(got, want, atol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make, dynamic", [(bert, None), (llama, None), (llama, {0: {1: "seq"}})],
+                         ids=["bert", "llama", "llama-any-length"])
+def test_bf16_models_with_fused_attention_match_pytorch_in_bf16(make, dynamic):
+    torch = pytest.importorskip("torch")
+    module, x = make(torch, seq=128)
+    module, x = module.bfloat16(), x.bfloat16()
+    executable = tvm_ext.build(tvm_ext.from_torch(module, x, dynamic=dynamic), "cuda")
+    assert any("attention" in k for k in tvm_ext.cuda_kernels(executable))
+    from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
+
+    main = VirtualMachine(executable, tvm.cuda(0))["main"]
+    for seq in (128,) if dynamic is None else (1, 77, 128):
+        xi = torch.randn(x.shape[0], seq, x.shape[-1]).bfloat16().cuda()
+        got = main(tvm.runtime.from_dlpack(xi))
+        got = torch.from_dlpack(got[0] if not hasattr(got, "numpy") else got).float().cpu().numpy()
+        with torch.no_grad():  # PyTorch in bf16 too: its roundings are the layer's
+            want = module.cuda()(xi).float().cpu().numpy()
+        np.testing.assert_allclose(got, want, atol=6e-2 * max(1.0, float(np.abs(want).max())), err_msg=f"seq {seq}")
 
 
 @pytest.mark.gpu

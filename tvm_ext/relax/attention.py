@@ -39,7 +39,7 @@ VIEWS = ("relax.reshape", "relax.permute_dims", "relax.strided_slice", "relax.sq
 MERGES = ("relax.reshape", "relax.permute_dims")  # views that map one to one, so they can be inverted
 SCALINGS = ("relax.multiply", "relax.divide")
 FLOATS = ("float16", "bfloat16", "float32")
-HALVES = ("float16", "bfloat16")  # operand types of the kernels: prefill fp16, decoding either
+HALVES = ("float16", "bfloat16")  # operand types of the kernels
 MASKED_FILL = -1.0e4  # a finite mask value at or below this counts as masked (see the module docstring)
 
 
@@ -300,7 +300,7 @@ def _causal_within(chain: Bindings, masks: _Masks, mask, mask_sum, logical: list
 
 
 def _match(chain: Bindings, final, masks: _Masks) -> dict | None:
-    """The attention chain ending in the astype-to-fp16 (bf16: decoding only) `final`, or None."""
+    """The attention chain ending in the astype-to-fp16 or bf16 `final`, or None."""
     value = chain.value[final]
     if op_name(value) != "relax.astype" or _dtype(value) not in HALVES:
         return None
@@ -376,8 +376,6 @@ def _match(chain: Bindings, final, masks: _Masks) -> dict | None:
              for name, (x, view) in sources.items()}
     mask_given = None if added is None else (tuple(static_shape(added[0])), added[1], added[2])
     decoding = seq_q == 1 and added is None  # one query row: split over the keys instead
-    if not decoding and dtype != "float16":  # the prefill kernel's operands are fp16
-        return None
     if not (decode_attention.fits(batch, seq_kv, dim, given) if decoding else
             attention.fits(batch, seq_q, seq_kv, dim, causal, given=given, mask=mask_given)):
         return None
@@ -484,8 +482,9 @@ KERNEL_ATTRS = {"op_pattern": OPAQUE, "tirx.is_scheduled": True}
 def _prefill_kernel(found: dict) -> tirx.PrimFunc:
     batch, seq_q, seq_kv, dim = found["sizes"]
     mask = found["mask"]
+    masked = {} if mask is None else {"mask": mask[1], "empty_rows_zero": found["empty_rows_zero"]}
     return attention.kernel(batch, seq_q, seq_kv, dim, found["scale"], found["causal"], given=found["given"],
-                            **({} if mask is None else {"mask": mask[1], "empty_rows_zero": found["empty_rows_zero"]}))
+                            dtype=found["dtype"], **masked)
 
 
 def _decode_kernels(found: dict) -> tuple:
