@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from .analysis import ROW, ReducePattern, const_int
 from .device import Device
-from .rows import (cached_inputs, estimated_registers, row_bytes, schedule_rows, vector_choices, vector_lanes,
-                   worth_caching)
+from .rows import (cached_inputs, estimated_registers, let_bound, row_bytes, schedule_rows, vector_choices,
+                   vector_lanes, worth_caching)
 
 NAME = "block_row"
 BYTES_PER_THREAD = 64  # four 16-byte loads in flight per thread: best or near it in bench.sweep
+VECTOR_BYTES = 16  # one load a thread for a few rows of Welford: LayerNorm [1, 4096] 5.9 us against 6.9 (H100)
 # Rows re-read from memory with an element-wise epilogue run much faster at 512 threads than at
 # 1024: the smaller block leaves room for more blocks per SM (docs/design.md#row-and-column-templates).
 MAX_THREADS_UNCACHED_EPILOGUE = 512
@@ -23,10 +24,15 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
     if not device.is_gpu or pattern.layout != ROW:
         return None
     size = row_bytes(pattern, pattern.input_buffers()[:1])
+    rows = const_int(pattern.row_count)
+    # fewer rows than SMs (a decoding step's LayerNorm): the time is the latency of each thread's
+    # serial chain of updates, long for a state of several values (Welford's), not the bandwidth
+    few_rows = rows is not None and rows < device.sm_count
+    per_thread = VECTOR_BYTES if few_rows and let_bound(pattern) else BYTES_PER_THREAD
     threads = 256
     if size is not None:
         threads = device.warp
-        while threads < device.max_threads and threads * 2 * BYTES_PER_THREAD <= size:
+        while threads < device.max_threads and threads * 2 * per_thread <= size:
             threads *= 2
     cache = worth_caching(pattern)
     if not cache and pattern.epilogue is not None and pattern.epilogue.dom_kind() != "S" * pattern.num_spatial:

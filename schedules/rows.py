@@ -104,7 +104,7 @@ def worth_caching(pattern: ReducePattern, rows_per_block: int = 1) -> bool:
     return bool(size) and size * rows_per_block <= SMEM_CACHE_LIMIT and stage_is_bounded(pattern, rows_per_block)
 
 
-def _let_bound(pattern: ReducePattern) -> bool:
+def let_bound(pattern: ReducePattern) -> bool:
     """Whether a reduction of the chain updates a state of several values through let-bindings
     (Welford's (M2, mean, count), the one-pass (sum, sum of squares))."""
     found = []
@@ -126,7 +126,7 @@ def stage_scopes(pattern: ReducePattern, buffers: list, rows_per_block: int) -> 
     static while they fit: 48 KB in all, or 48 KB of static stages beside a dynamic one of 48 KB or
     more (a launch is only opted in to more for the latter); any left over is read from global
     memory (at 8192 float32 columns, one row a block, the residual)."""
-    if len(buffers) < 2 or not _let_bound(pattern):
+    if len(buffers) < 2 or not let_bound(pattern):
         return [(buf, "shared.dyn") for buf in buffers]
     sizes = [(row_bytes(pattern, [buf]) or 0) * rows_per_block for buf in buffers]
     largest = sizes.index(max(sizes))

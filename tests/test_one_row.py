@@ -14,6 +14,8 @@ import tvm_ext
 from bench.suite import relax_module
 from conftest import CUDA_TARGET
 from helpers import assert_close, run_case
+from tvm_ext.pipeline import fused_reduce_functions
+from tvm_ext.schedules import heuristic_knobs
 
 SM_90A = {**CUDA_TARGET, "arch": "sm_90a"}
 OPS = ["rms_norm", "layer_norm", "softmax"]
@@ -66,6 +68,18 @@ def test_a_single_long_row_is_read_from_memory_once_and_compiles(op, width, dtyp
 
         with tvm_ext.parse_target(target):
             assert bytes(nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")[:4]) == b"\x7fELF"
+
+
+@pytest.mark.parametrize("op, shape, threads", [("layer_norm", [1, 4096], 512), ("layer_norm", [8192, 4096], 128),
+                                               ("rms_norm", [1, 4096], 128)])
+def test_a_few_rows_of_welford_take_a_16_byte_vector_a_thread(op, shape, threads):
+    """Latency, not bandwidth, bounds a single row: Welford's serial update chain is the longest
+    per-element work, so a LayerNorm's row is spread over more threads; many rows keep 64 bytes a
+    thread, and a one-value state (RMSNorm's sum) is quicker with fewer threads and reduction rounds."""
+    target = tvm_ext.parse_target(SM_90A)
+    (func,) = fused_reduce_functions(relax_module(op, shape, "float16"), target).values()
+    with target:
+        assert heuristic_knobs(func, target)["threads"] == threads
 
 
 def test_more_rows_keep_a_block_per_row():
