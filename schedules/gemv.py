@@ -16,7 +16,7 @@ from .analysis import multiply_accumulate
 from .few_row_matmul import VECTOR, operand_element, stored_result, weight_streaming_matmul
 
 NAME = "gemv"
-ROWS = (1, 2, 4)  # rows of W a warp sums
+ROWS = (1, 2, 4)  # rows of W a group of warps sums
 WARPS = (4, 8)  # per block
 SPLIT = (1, 2, 4)  # warps of a block that share rows, each a part of k
 UNROLL = (2, 4, 8)  # steps whose loads are issued before any is used
