@@ -14,7 +14,7 @@ from .rows import (cached_inputs, estimated_registers, let_bound, row_bytes, sch
 
 NAME = "block_row"
 BYTES_PER_THREAD = 64  # four 16-byte loads in flight per thread: best or near it in bench.sweep
-VECTOR_BYTES = 16  # one load a thread for a few rows of Welford: LayerNorm [1, 4096] 5.9 us against 6.9 (H100)
+VECTOR_BYTES = 16  # one load a thread for a few rows of Welford: LayerNorm [1, 4096] 6.0 us against 6.9 (H100)
 # Rows re-read from memory with an element-wise epilogue run much faster at 512 threads than at
 # 1024: the smaller block leaves room for more blocks per SM (docs/design.md#row-and-column-templates).
 MAX_THREADS_UNCACHED_EPILOGUE = 512

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import tvm
 import tvm_ffi
-from tvm import tirx
-from tvm.s_tir.stmt import SBlock
+from tvm import s_tir, tirx
 
 
 def _symbolic_dims(func: tirx.PrimFunc) -> list:
@@ -37,9 +36,8 @@ def drop_wraps(func: tirx.PrimFunc) -> tirx.PrimFunc:
     def bind(block):
         for iv in block.iter_vars:
             analyzer.bind(iv.var, iv.dom)
-        return block
 
-    tvm_ffi.structural_map(func.body, (SBlock, bind))  # every block's iterators, before any index is read
+    tvm_ffi.structural_walk(func.body, (s_tir.SBlock, bind), order="pre")  # every block's iterators, before any index is read
 
     def within(a, b) -> bool:
         return analyzer.can_prove(a >= 0) and analyzer.can_prove(a < b)
@@ -54,14 +52,7 @@ def drop_wraps(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return func if body.same_as(func.body) else func.with_body(body)
 
 
-@tvm.transform.module_pass(opt_level=0, name="TVMExtDropSymbolicWraps")
-def drop_symbolic_wraps(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    """drop_wraps on every PrimFunc of `mod`."""
-    out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
-    changed = False
-    for gv, func in mod.functions_items():
-        if isinstance(func, tirx.PrimFunc):
-            plain = drop_wraps(func)
-            if not plain.same_as(func):
-                out[gv], changed = plain, True
-    return out if changed else mod
+@tirx.transform.prim_func_pass(opt_level=0, name="TVMExtDropSymbolicWraps")
+def drop_symbolic_wraps(func: tirx.PrimFunc, _mod, _ctx) -> tirx.PrimFunc:
+    """drop_wraps on every PrimFunc of a module."""
+    return drop_wraps(func)
