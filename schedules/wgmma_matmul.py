@@ -348,6 +348,7 @@ def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k) -> tirx
     regs = bn // 2
     columns, partial = _tiles(n, bn), n % bn != 0
     rows, partial_rows = _tiles(m, bm), not isinstance(m, int) or m % bm != 0
+    rows = rows if isinstance(rows, int) else T.Cast("int32", rows)  # a tile count: int32 in a 64-bit build too
 
     def within(index, last):
         """`index`, held at `last` where the last column of tiles passes C's edge."""
@@ -467,7 +468,7 @@ def _kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k) -> tirx
     def kernel():
         bz = T.launch_thread("blockIdx.z", grid_z)
         tile = T.launch_thread("blockIdx.x", columns * rows)
-        bx, by = T.meta_var(raster(tile))
+        bx, by = T.meta_var(raster(tile)) if isinstance(rows, int) else raster(tile)  # symbolic: bound once (a short group's divisions)
         tx = T.launch_thread("threadIdx.x", threads)
         smem = T.alloc_buffer((stages * stage_elems + tma * stages * BARRIER_BYTES // 2,),  # fp16 elements: the barriers after the stages
                               operand, scope="shared.dyn", align=ATOM_BYTES)
