@@ -128,8 +128,9 @@ def contraction_kernels(func: tirx.PrimFunc, target: Target) -> list[tuple]:
 
 
 def symbolic_rows(func: tirx.PrimFunc):
-    """The symbolic row count of a matmul whose other sizes are static (a tirx.Var or expression), else None."""
-    found = matmul.contraction(func)
+    """The symbolic row count of a matmul whose other sizes are static (a tirx.Var or expression), else
+    None; its epilogue may be of any shape (a gated one is half C's width)."""
+    found = matmul.contraction(func, over_c=False)
     if found is None:
         return None
     extents = [iv.dom.extent for iv in found[0].get(found[1]).iter_vars]

@@ -6,8 +6,8 @@ rows a warp) and X's rows its B operand (8 an mma; two tiles of them for up to 1
 to 32): C^T = W X^T. Each lane loads 16 bytes of two weight rows and of its X rows at the same k per
 step of 32; the fragment layouts take them in registers once k is permuted within the step, the
 same permutation for both operands, which leaves the sum unchanged. A block's warps split k and add
-their sums in shared memory; the epilogue (cast, residual add) follows. fp16 and bf16 on sm_80 and
-later. See docs/design.md#few-row-matmuls."""
+their sums in shared memory; the epilogue (cast, residual add, or a gated activation) follows. fp16
+and bf16 on sm_80 and later. See docs/design.md#few-row-matmuls."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from tvm.script import tirx as T
 
 from . import matmul
 from .analysis import multiply_accumulate, size_of, substitute
+from .contracts import GATE_RUN
 from .wgmma_matmul import float32_contraction, fold_epilogue
 
 NAME = "few_row_matmul"
@@ -34,9 +35,10 @@ MIN_SM = 80  # mma.sync m16n8k16 with fp32 accumulators
 
 def weight_streaming_matmul(func: tirx.PrimFunc):
     """(matmul block, folded epilogue, m, n, k) of a `C[i, j] += X[i, k] * W[j, k]` (fp16/bf16,
-    float32 C, n and k static, k a whole number of 16-byte loads, both operands read along k, an
-    epilogue that is not gated), else None: what this template and the GEMV template take, at
-    their row counts."""
+    float32 C, n and k static, k a whole number of 16-byte loads, both operands read along k), else
+    None: what this template and the GEMV template take, at their row counts. A gated epilogue reads
+    C's columns in runs of GATE_RUN (contracts.gate_column): a block's 16 rows of W are 8 columns'
+    gate and up rows."""
     found = float32_contraction(func)
     if found is None:
         return None
@@ -47,7 +49,7 @@ def weight_streaming_matmul(func: tirx.PrimFunc):
     if k % VECTOR:
         return None
     folded = fold_epilogue(sch, epilogue, block.writes[0].source, extents[:-1])
-    return None if folded is None or folded.gated else (block, folded, m, n, k)
+    return None if folded is None else (block, folded, m, n, k)
 
 
 def _fit(func: tirx.PrimFunc):
@@ -110,13 +112,14 @@ def operand_element(block, load, row, col, kk):
     return load.source[tuple(substitute(index, typed) for index in load.indices)]
 
 
-def stored_result(block, ep, row, col, value):
+def stored_result(block, ep, row, col, *values):
     """What the output holds at (row, col) of the matmul `block` followed by the epilogue `ep`,
-    given C's value there; and the output's indices."""
+    given C's values it reads there (one; a gated epilogue: its gate's and its up projection's);
+    and the output's indices."""
     if ep.ivs is None:
-        return value, [tirx.Cast(str(iv.var.ty), x) for iv, x in zip(block.iter_vars, (row, col))]
+        return values[0], [tirx.Cast(str(iv.var.ty), x) for iv, x in zip(block.iter_vars, (row, col))]
     bindings = {var: tirx.Cast(str(var.ty), x) for var, x in zip(ep.ivs, (row, col))}
-    return substitute(ep.value, {**bindings, ep.loads[0]: value}), list(bindings.values())
+    return substitute(ep.value, {**bindings, **dict(zip(ep.loads, values))}), list(bindings.values())
 
 
 def _kernel(block, ep, m, n, k, rows: int, warps: int, unroll: int) -> tirx.Stmt:
@@ -132,7 +135,9 @@ def _kernel(block, ep, m, n, k, rows: int, warps: int, unroll: int) -> tirx.Stmt
     tiles = -(-min(m, rows) // 8) if isinstance(m, int) else rows // 8  # of X's rows, 8 an mma
     slot = 2 + tiles  # vectors a lane loads a step: W rows g and g + 8, X rows g + 8t
     rows_type = "int32" if isinstance(m, int) else str(m.ty)
-    out_n = WEIGHT_ROWS * 8 * tiles  # C^T elements a warp sums: 16 weight rows x X's rows
+    halves = len(ep.loads)  # C's values an output element reads: a gated one, its gate's and its up projection's
+    columns = WEIGHT_ROWS // halves  # output columns of a block (gated: the weight rows g and g + GATE_RUN)
+    out_n = columns * 8 * tiles  # output elements of a block: its columns x X's rows
     pitch = 8 * tiles + 1  # floats per weight row in shared memory: a padded row, reads free of bank conflicts
 
     def has_tile(t):
@@ -200,13 +205,14 @@ def _kernel(block, ep, m, n, k, rows: int, warps: int, unroll: int) -> tirx.Stmt
         T.tvm_storage_sync("shared")
         for e in T.unroll(-(-out_n // threads)):
             if e * threads + tx < out_n:
-                acc[0] = T.float32(0)
-                for w in T.unroll(warps):
-                    acc[0] = acc[0] + red[(w * WEIGHT_ROWS + (e * threads + tx) % WEIGHT_ROWS) * pitch
-                                          + (e * threads + tx) // WEIGHT_ROWS]
-                row, col = T.meta_var(((e * threads + tx) // WEIGHT_ROWS, bx * WEIGHT_ROWS + (e * threads + tx) % WEIGHT_ROWS))
-                if tirx.Cast(rows_type, row) < m and col < n:
-                    value, indices = T.meta_var(stored_result(block, ep, row, col, acc[0]))
+                for h in T.unroll(halves):
+                    acc[h] = T.float32(0)
+                    for w in T.unroll(warps):
+                        acc[h] = acc[h] + red[(w * WEIGHT_ROWS + (e * threads + tx) % columns + h * GATE_RUN) * pitch
+                                              + (e * threads + tx) // columns]
+                row, col = T.meta_var(((e * threads + tx) // columns, bx * columns + (e * threads + tx) % columns))
+                if tirx.Cast(rows_type, row) < m and col < n // halves:
+                    value, indices = T.meta_var(stored_result(block, ep, row, col, *[acc[h] for h in range(halves)]))
                     T.buffer_store(ep.out, value, indices)
 
     return kernel.body

@@ -5,7 +5,8 @@ The time is the weight's reading. A group of `split` warps takes `rows` consecut
 warps in turn along k: each lane loads 16 bytes of every row a step, `unroll` steps issued before
 any is used, and X's 16 bytes at the same k serve all of the rows. Products add in float32 per
 lane, then over the warp by shuffles and over the group in shared memory; the epilogue (cast,
-bias, residual) follows. fp16 and bf16, any CUDA GPU. See docs/design.md#gemv."""
+bias, residual) follows. A gated epilogue's group takes rows in pairs, a column's gate and up
+rows of W (contracts.gate_column). fp16 and bf16, any CUDA GPU. See docs/design.md#gemv."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
 from .analysis import multiply_accumulate
+from .contracts import gate_column
 from .few_row_matmul import VECTOR, operand_element, stored_result, weight_streaming_matmul
 
 NAME = "gemv"
@@ -38,11 +40,12 @@ def fits(func: tirx.PrimFunc) -> bool:
 
 
 def knob_space(func: tirx.PrimFunc) -> list[dict]:
-    """Every (rows, warps, split, unroll) point where the template fits."""
-    if not fits(func):
+    """Every (rows, warps, split, unroll) point where the template fits (gated: rows in pairs)."""
+    found = _fit(func)
+    if found is None:
         return []
     return [{"strategy": NAME, "rows": r, "warps": w, "split": s, "unroll": u}
-            for r in ROWS for w in WARPS for s in SPLIT for u in UNROLL]
+            for r in ROWS if r % len(found[1].loads) == 0 for w in WARPS for s in SPLIT for u in UNROLL]
 
 
 def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule] | None:
@@ -50,14 +53,15 @@ def heuristic(func: tirx.PrimFunc, sm_count: int) -> tuple[dict, s_tir.Schedule]
     found = _fit(func)
     if found is None:
         return None
-    knobs = {"strategy": NAME, **_knobs(*found[2:], sm_count)}
+    knobs = {"strategy": NAME, **_knobs(*found[2:], sm_count, pairs=found[1].gated)}
     return knobs, s_tir.Schedule(func.with_body(_kernel(*found, *(knobs[x] for x in KNOBS))))
 
 
-def _knobs(n: int, k: int, sm_count: int) -> dict:
+def _knobs(n: int, k: int, sm_count: int, pairs: bool = False) -> dict:
     """From an H200 sweep (docs/design.md#gemv): a block of 4 warps over k, each 4 steps in flight
-    for 2 rows; 4 rows over a long k; 1 row (8 steps) where 2 would leave fewer than 8 blocks an SM."""
-    rows = 4 if k >= LONG_K else 2 if n >= 2 * MANY_BLOCKS_PER_SM * sm_count else 1
+    for 2 rows; 4 rows over a long k; 1 row (8 steps) where 2 would leave fewer than 8 blocks an SM
+    (`pairs`: rows of a gated epilogue, at least 2)."""
+    rows = 4 if k >= LONG_K else 2 if pairs or n >= 2 * MANY_BLOCKS_PER_SM * sm_count else 1
     return {"rows": rows, "warps": 4, "split": 4, "unroll": 8 if rows == 1 else 4}
 
 
@@ -65,7 +69,8 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     """The kernel for `func` with `knobs` (rows, warps, split, unroll); None when it does not fit."""
     found = _fit(func)
     values = [int(knobs.get(x, 0)) for x in KNOBS]
-    if found is None or any(v not in space for v, space in zip(values, (ROWS, WARPS, SPLIT, UNROLL))):
+    if found is None or any(v not in space for v, space in zip(values, (ROWS, WARPS, SPLIT, UNROLL))) \
+            or values[0] % len(found[1].loads):
         return None
     return s_tir.Schedule(func.with_body(_kernel(*found, *values)))
 
@@ -80,6 +85,12 @@ def _kernel(block, ep, n: int, k: int, rows: int, warps: int, split: int, unroll
     rounds = -(-vectors // (lanes * unroll))
     guarded = rounds * unroll * lanes != vectors  # some lanes' steps lie past k
     full = 0xFFFFFFFF
+    halves = len(ep.loads)  # C's values an output element reads: a gated one, its gate's and its up projection's
+    outs = rows // halves  # output elements of a row group
+
+    def w_row(p):
+        """W's row for the group's row p: gated, rows in pairs (a column's gate, then its up)."""
+        return gate_column(p // 2, p % 2) if halves == 2 else p
 
     def slot_of(i, u, lane):
         """The 16-byte vector of k a lane (0 .. lanes - 1 in its group) loads in step (round i, slot u)."""
@@ -108,7 +119,7 @@ def _kernel(block, ep, n: int, k: int, rows: int, warps: int, split: int, unroll
                 for r in T.unroll(rows):
                     for e in T.vectorized(VECTOR):
                         w[(u * rows + r) * VECTOR + e] = operand_element(
-                            block, w_load, 0, T.min(row0 + r, n - 1), step_k(i, u, lane) + e)
+                            block, w_load, 0, w_row(T.min(row0 + r, n - 1)), step_k(i, u, lane) + e)
             for u in T.unroll(unroll):
                 if guarded:  # a step past k adds nothing
                     for e in T.unroll(VECTOR):
@@ -124,17 +135,20 @@ def _kernel(block, ep, n: int, k: int, rows: int, warps: int, split: int, unroll
                 if tx % 32 == r:
                     red[tx // 32 * rows + r] = acc[r]
             T.tvm_storage_sync("shared")
-            if tx < groups * rows:
-                acc[0] = T.float32(0)
-                for p in T.unroll(split):
-                    acc[0] = acc[0] + red[(tx // rows * split + p) * rows + tx % rows]
-                if bx * groups * rows + tx < n:
-                    value, indices = T.meta_var(stored_result(block, ep, 0, bx * groups * rows + tx, acc[0]))
+            if tx < groups * outs:
+                for h in T.unroll(halves):
+                    acc[h] = T.float32(0)
+                    for p in T.unroll(split):
+                        acc[h] = acc[h] + red[(tx // outs * split + p) * rows + tx % outs * halves + h]
+                if bx * groups * outs + tx < n // halves:
+                    value, indices = T.meta_var(stored_result(block, ep, 0, bx * groups * outs + tx,
+                                                              *[acc[h] for h in range(halves)]))
                     T.buffer_store(ep.out, value, indices)
         else:
-            for r in T.unroll(rows):
-                if lane == r and row0 + r < n:
-                    value, indices = T.meta_var(stored_result(block, ep, 0, row0 + r, acc[r]))
+            for r in T.unroll(outs):
+                if lane == r and row0 // halves + r < n // halves:
+                    value, indices = T.meta_var(stored_result(block, ep, 0, row0 // halves + r,
+                                                              *[acc[r * halves + h] for h in range(halves)]))
                     T.buffer_store(ep.out, value, indices)
 
     return kernel.body

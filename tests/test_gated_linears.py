@@ -1,8 +1,10 @@
 """A gated MLP's activation in its joined matmul's epilogue (sm_90a): the interleaved weight, the
 one kernel it becomes, its CUDA, and its numbers (the CPU running the fused functions unscheduled;
-the GPU every tile of the wgmma template)."""
+the GPU every tile of the wgmma template). At one row and at a symbolic row count every row
+class's kernel writes the activation: the GEMV, the few-row kernels and the wgmma tiles."""
 
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -12,7 +14,8 @@ from tvm.runtime.vm import VirtualMachine
 
 import tvm_ext
 from bench.spelled import main_module
-from tvm_ext.schedules import dispatch, wgmma_matmul
+from helpers import kernel_bodies
+from tvm_ext.schedules import dispatch, few_row_matmul, gemv, wgmma_matmul
 from tvm_ext.schedules.contracts import gate_column
 from tvm_ext.relax import parallel_matmuls
 from tvm_ext.relax.gated_linears import interleaved
@@ -42,6 +45,18 @@ def mlp(rows, hidden, inner, gated=True, seed=0):
         activated = bb.emit(op.astype(op.nn.silu(op.astype(gate, "float32")), "float16"))
         return linear(bb, bb.emit(op.multiply(activated, up)), weights[2])
     return main_module(body, [relax.Var("x", relax.TensorType([1, rows, hidden], "float16"))]), weights
+
+
+def any_rows_mlp(hidden, inner):
+    """mlp over a symbolic row count m."""
+    return mlp(tvm.tirx.Var("m", "int64"), hidden, inner)
+
+
+def gated_product(x, weights):
+    """silu(x @ gate.T) * (x @ up.T) for x [rows, hidden], rounded to fp16 as PyTorch does."""
+    gate, up = reference(x[None], weights, gated=False)
+    g = gate[0].astype("float32")
+    return ((g / (1 + np.exp(-g))).astype("float16") * up[0]).astype("float32")
 
 
 def reference(x, weights, gated=True):
@@ -109,6 +124,28 @@ def test_the_cuda_computes_the_activation_on_the_accumulators_and_stores_half_th
     assert "expf(" in staged[0] and "acc_ptr[0]" in staged[0] and "acc_ptr[4]" in staged[0]
 
 
+def test_at_any_row_count_every_row_class_writes_the_activation():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none of the gated kernels is left to TVM
+        bodies = kernel_bodies(cuda_source(tvm_ext.build(any_rows_mlp(128, 256)[0], SM_90A)))
+    assert not any("strided_slice" in name for name in bodies), sorted(bodies)  # no kernel reads a half
+    gated = {name: body for name, body in bodies.items() if "gated" in name and "_i32" not in name}
+    assert len(gated) >= 4, sorted(bodies)
+    assert all("__expf(" in body or "expf(" in body for body in gated.values())
+    one_row, *rest = sorted(gated)
+    assert "__shfl" in gated[one_row] and "mma" not in gated[one_row]  # the GEMV
+    assert sum("mma.sync.aligned.m16n8k16" in gated[name] for name in rest) == 2  # up to 16 and to 32 rows
+    assert all("wgmma" in gated[name] for name in rest if "m16n8k16" not in gated[name])
+
+
+def test_one_row_is_one_gated_gemv_over_the_joint_weight():
+    mod, _ = mlp(1, 128, 256)
+    func = next(f for name, f in prim_funcs(fused_module(mod, SM_90A)).items() if "gated" in name)
+    assert dispatch.contraction_template(func, SM_90A) is gemv
+    assert [int(d) for d in func.params[1].shape] == [512, 128] and [int(d) for d in func.params[-1].shape] == [1, 256]
+    assert {p["rows"] for p in gemv.knob_space(func)} == {2, 4}  # a column's gate and up rows in one group
+
+
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "halves-apart"])
 def test_the_fused_functions_compute_the_mlp(always_joined, gated, rng):
     mod, weights = mlp(128, 64, 64, gated=gated)
@@ -141,6 +178,36 @@ def test_every_tile_of_the_gated_matmul_on_gpu(rng):
         out = tvm.runtime.tensor(np.full((512, 8192), np.nan, "float16"), dev)
         lib["main"](tvm.runtime.tensor(x, dev), tvm.runtime.tensor(joint, dev), out)
         np.testing.assert_allclose(out.numpy().astype("float32"), want, rtol=1e-2, atol=1e-2, err_msg=str(knobs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, template", [(1, gemv), (13, few_row_matmul), (32, few_row_matmul)])
+def test_every_gemv_and_few_row_point_of_the_gated_matmul_on_gpu(rows, template, rng):
+    """The GEMV's on the one-row function; the few-row kernels' on the function of any row count
+    (a static one of a few rows reads the weight transposed), run at `rows`."""
+    mod, weights = mlp(1, 256, 1536) if template is gemv else any_rows_mlp(256, 1536)
+    func = next(f for name, f in prim_funcs(fused_module(mod, SM_90A)).items() if "gated" in name)
+    x = rng.standard_normal((rows, 256)).astype("float16")
+    want, dev = gated_product(x, weights), tvm.cuda()
+    points = [p for p in template.knob_space(func) if p["rows"] >= rows]  # a few-row kernel serves up to its rows
+    assert points
+    for knobs in points:
+        lib = tvm.compile(tvm.IRModule({"main": template.apply(func, knobs).mod["main"].with_attr("global_symbol", "main")}),
+                          target=SM_90A)
+        out = tvm.runtime.tensor(np.full((rows, 1536), np.nan, "float16"), dev)
+        lib["main"](tvm.runtime.tensor(x, dev), tvm.runtime.tensor(interleaved(weights[:2]), dev), out)
+        np.testing.assert_allclose(out.numpy().astype("float32"), want, rtol=1e-2, atol=1e-2, err_msg=str(knobs))
+
+
+@pytest.mark.gpu
+def test_every_row_class_of_the_gated_mlp_on_gpu(rng):
+    mod, weights = any_rows_mlp(256, 1536)
+    main = VirtualMachine(tvm_ext.build(mod, SM_90A), tvm.cuda())["main"]
+    for rows in (1, 3, 16, 17, 32, 33, 64, 100, 300):
+        x = rng.standard_normal((1, rows, 256)).astype("float16")
+        got = main(tvm.runtime.tensor(x, tvm.cuda())).numpy()
+        np.testing.assert_allclose(got.astype("float32"), reference(x, weights).astype("float32"), rtol=2e-2, atol=2e-2,
+                                   err_msg=f"{rows} rows")
 
 
 @pytest.mark.gpu

@@ -33,6 +33,18 @@ def test_a_symbolic_reshape_reads_its_rows_as_they_are_and_is_no_longer_opaque()
     assert op_pattern(plain) < OPAQUE
 
 
+def test_a_reshape_into_a_leading_axis_of_one_reads_its_rows_without_the_symbolic_size():
+    """[m, 512] to [1, m, 4, 128] reads x[0 + v0 * m + v1, ...] with v0 in [0, 1): a load naming m,
+    which the store does not index, is opaque to AnnotateTIROpPattern."""
+    m = tirx.Var("m", "int64")
+    x = te.placeholder((m, 512), "float16", name="x")
+    func = te.create_prim_func([x, tvm.topi.reshape(x, [1, m, 4, 128])])
+    assert op_pattern(func) == OPAQUE
+    plain = drop_wraps(func)
+    assert op_pattern(plain) < OPAQUE
+    assert "* m" not in plain.script().split("T.writes")[1], plain.script()
+
+
 def test_a_wrap_that_can_wrap_stays():
     m = tirx.Var("m", "int64")
     x = te.placeholder((m, 4), "float16", name="x")

@@ -12,6 +12,7 @@ import tvm
 from tvm import relax
 
 from tvm_ext.schedules.contracts import GATE_RUN, gate_column
+from tvm_ext.schedules.wgmma_matmul import K_TILE
 
 from .bindings import Bindings
 from .reduce_fusion import INJECTIVE, kernel_calls, merged_call, op_pattern, with_blocks
@@ -20,8 +21,10 @@ OUT_ELEMWISE_FUSABLE = 4  # op_pattern of a matmul's PrimFunc
 
 
 def interleavable(weights: list[np.ndarray]) -> bool:
-    """Whether joined layers can share their tiles: two of one width, a whole number of runs."""
-    return len(weights) == 2 and weights[0].shape == weights[1].shape and weights[0].shape[0] % GATE_RUN == 0
+    """Whether joined layers can share their tiles: two of one width, a whole number of runs, a
+    depth the wgmma template takes (each row class's template then writes a gated epilogue)."""
+    return len(weights) == 2 and weights[0].shape == weights[1].shape and weights[0].shape[0] % GATE_RUN == 0 \
+        and weights[0].shape[1] % K_TILE == 0
 
 
 def interleaved(weights: list[np.ndarray]) -> np.ndarray:

@@ -89,8 +89,7 @@ class _Combiner(relax.PyExprMutator):
         group = self.first.get(binding.var)
         if group is not None:  # the joint matmul stands where the group's first one stood
             weights = [w for *_, w in group]
-            rows = shape_of(binding.var)[0]  # a gated epilogue is the wgmma template's alone: static rows it takes
-            paired = self.interleave and gated_linears.interleavable(weights) and isinstance(rows, int) and rows > 1
+            paired = self.interleave and gated_linears.interleavable(weights)  # each row class's template writes a gated epilogue
             lhs = self.visit_expr(binding.value.args[0])
             weight = gated_linears.interleaved(weights) if paired else np.concatenate(weights)
             joint = self.builder_.emit(relax.op.astype(self.builder_.emit(relax.op.matmul(

@@ -5,13 +5,18 @@ for i in [0, s), but TVM's simplifier does not prove it, and AnnotateTIROpPatter
 function opaque. FuseOps then fuses nothing across it: in a build for any batch or length each
 slice of a joined matmul's output became a kernel of its own. Here `a % b` and `a // b` whose `a`
 lies in [0, b) become `a` and 0, the block's iterators bound to their domains and the function's
-symbolic dims to at least 1 (a tensor of a dim 0 holds nothing to index)."""
+symbolic dims to at least 1 (a tensor of a dim 0 holds nothing to index).
+
+The same reshape into a leading axis of 1 ([s, d] to [1, s, h, d / h]) reads `x[0 + v0 * s + v1, ...]`
+with v0 in [0, 1): an index that names s, which AnnotateTIROpPattern also calls opaque (a load
+reading a variable that the store does not index). Such indices are simplified, which drops s."""
 
 from __future__ import annotations
 
 import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
+from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 
 
 def _symbolic_dims(func: tirx.PrimFunc) -> list:
@@ -48,7 +53,20 @@ def drop_wraps(func: tirx.PrimFunc) -> tirx.PrimFunc:
     def quotient(expr):
         return tirx.IntImm(str(expr.ty), 0) if within(expr.a, expr.b) else expr
 
-    body = tvm_ffi.structural_map(func.body, [(tirx.FloorMod, wrap), (tirx.FloorDiv, quotient)])
+    def plain_index(index):
+        """`index` simplified where that drops a symbolic dim from it, else as it is."""
+        if not any(v.same_as(d) for v in tirx.analysis.undefined_vars(index) for d in dims):
+            return index
+        simple = analyzer.simplify(index)
+        return simple if len(tirx.analysis.undefined_vars(simple)) < len(tirx.analysis.undefined_vars(index)) else index
+
+    wraps = [(tirx.FloorMod, wrap), (tirx.FloorDiv, quotient)]
+
+    def load(node):  # (a load's handler takes its indices' wraps too)
+        indices = [plain_index(tvm_ffi.structural_map(i, wraps)) for i in node.indices]
+        return node if all(a.same_as(b) for a, b in zip(indices, node.indices)) else tirx.BufferLoad(node.source, indices)
+
+    body = tvm_ffi.structural_map(func.body, [*wraps, (TensorLoad, load)])
     return func if body.same_as(func.body) else func.with_body(body)
 
 
