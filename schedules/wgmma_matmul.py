@@ -99,9 +99,19 @@ def _points(found) -> list[dict]:
     b_n_major = not matmul.k_is_last(found[0])[1]
     points = [{"strategy": NAME, "block_m": bm, "block_n": bn, "stages": stages, "group": _group(m, bm)}
               for bm, bn in TILES if (not isinstance(m, int) or bm <= m) and _width_fits(bn, n, b_n_major) for stages in _stage_counts(bm, bn)]
+    copied = [p for p in points if not _wrong_when_copied(p["block_m"], p["block_n"], p["stages"])]
     if _tma_views(found[0]) is None:  # operands a descriptor cannot describe
-        return points
-    return points + [{**p, "tma": 1} for p in points if _tma_fits(p["block_m"], p["block_n"], p["stages"])]
+        return copied
+    return copied + [{**p, "tma": 1} for p in points if _tma_fits(p["block_m"], p["block_n"], p["stages"])]
+
+
+def _wrong_when_copied(block_m: int, block_n: int, stages: int) -> bool:
+    """Points that store wrong sums when loaded by cp.async: a 64 x 64 tile with a wgmma group in
+    flight (8 stages) got about 1 in 2000 outputs wrong by more than 0.05 with its output staged
+    through shared memory after 64 steps of k (H200; the same point loaded by TMA, 7 stages, 64 x 128
+    tiles of 8 stages and an unstaged float32 output are right; the cause is not found).
+    tests/test_wgmma.py runs every point of the space over such a k."""
+    return (block_m, block_n) == (ROWS, 64) and _in_flight(block_m, block_n, stages) > 0
 
 
 def _tma_fits(block_m: int, block_n: int, stages: int) -> bool:
@@ -325,7 +335,7 @@ def _apply(func: tirx.PrimFunc, found, knobs: dict) -> s_tir.Schedule | None:
     if bm % ROWS or bn % 32 or bn > 256 or isinstance(m, int) and bm > m or not _width_fits(bn, n, not matmul.k_is_last(block)[1]) \
             or stages < 2 + _in_flight(bm, bn, stages) or group and isinstance(m, int) and _tiles(m, bm) % group \
             or not _output_bytes(bm, bn) <= stages * stage_bytes(bm, bn) <= matmul.MAX_SHARED \
-            or tma and (views is None or not _tma_fits(bm, bn, stages)):
+            or tma and (views is None or not _tma_fits(bm, bn, stages)) or not tma and _wrong_when_copied(bm, bn, stages):
         return None
     return s_tir.Schedule(func.with_body(_kernel(block, folded, bm, bn, stages, group, views, batch, m, n, k)))
 

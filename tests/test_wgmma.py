@@ -278,6 +278,30 @@ def test_linear_gelu_through_the_pipeline_on_gpu(dtype, rng):
     np.testing.assert_allclose(got.astype("float32"), want, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [128, 77])
+def test_every_point_storing_through_shared_memory_after_a_deep_k_on_gpu(m, rng):
+    """fp16 results staged through shared memory after 64 steps of k (a 64 x 64 tile of 8 stages
+    loaded by cp.async stored wrong sums: wgmma_matmul._wrong_when_copied)."""
+    n, k = 1024, 4096
+    func = next(f for gv, f in fused_module(linear_gelu(m, n, k), tvm.target.Target(SM_90A)).functions_items()
+                if isinstance(f, tvm.tirx.PrimFunc) and "matmul" in gv.name_hint)
+    x, w = rng.standard_normal((m, k)).astype("float16"), (rng.standard_normal((n, k)) / 16).astype("float16")
+    bias = rng.standard_normal(n).astype("float16")
+    y = (x.astype("float32") @ w.astype("float32").T).astype("float16").astype("float32") + bias.astype("float32")
+    want = 0.5 * y * (1 + np.vectorize(math.erf)(y / np.sqrt(2)))
+    dev = tvm.cuda()
+    points = wgmma_matmul.knob_space(func)
+    eight = {"strategy": "wgmma_matmul", "block_m": 64, "block_n": 64, "stages": 8, "group": wgmma_matmul._group(m, 64)}
+    assert eight not in points and {**eight, "tma": 1} in points and wgmma_matmul.apply(func, eight) is None
+    for knobs in points:
+        lib = tvm.compile(tvm.IRModule({"main": wgmma_matmul.apply(func, knobs).mod["main"].with_attr("global_symbol", "main")}),
+                          target=tvm.target.Target(SM_90A))
+        out = tvm.runtime.tensor(np.full((m, n), np.nan, "float16"), dev)
+        lib["main"](*[tvm.runtime.tensor(v, dev) for v in (x, w, bias)], out)
+        np.testing.assert_allclose(out.numpy().astype("float32"), want, atol=2e-2, rtol=2e-2, err_msg=str(knobs))
+
+
 def test_on_sm_90a_the_tuner_searches_the_wgmma_points_and_records_of_the_other_template_give_way():
     from tvm_ext.search.features import NAMES, candidate_features  # noqa: PLC0415
     from tvm_ext.search.space import knob_space  # noqa: PLC0415
