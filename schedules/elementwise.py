@@ -50,7 +50,7 @@ def apply(func: tirx.PrimFunc) -> s_tir.Schedule | None:
         return None
     if str(sch.get(block).writes[0].source.dtype) == "bool":  # TVM prints a 4-lane bool store as one 8-byte
         access = SPREAD  # ushort4 at 4-byte steps (misaligned-address fault): lanes apart, unrolled, not vectors
-    if access == VECTORS and _symbolic_rows(sch, loops, inner):
+    if _symbolic_rows(sch, loops, inner, spread=access == SPREAD):
         return sch
     if access == VECTORS:
         _, tx, lanes = sch.split(sch.fuse(*loops), [None, THREADS, LANES])
@@ -63,25 +63,35 @@ def apply(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     return sch
 
 
-def _symbolic_rows(sch: s_tir.Schedule, loops: list, inner: int) -> bool:
+def _symbolic_rows(sch: s_tir.Schedule, loops: list, inner: int, spread: bool = False) -> bool:
     """Where an outer extent is symbolic (a KV cache's length): rows of the static innermost axis,
     ROW_VECTORS vectors of LANES per thread (adjacent, unrolled), several rows a block, so a thread
     splits its row index into the outer axes once (64-bit divisions by symbolic extents, which once
     per element cost more than the copy: a cache append ran at 0.8 TB/s, once per half4 at 2.4).
     LANES-wide vectors, not 16 bytes: 8-lane half vectors failed CUDA codegen on a squeezed slice of
-    BERT's packed projection. Scheduled in place; False where not taken."""
-    vectors = ROW_VECTORS if inner % (ROW_VECTORS * LANES) == 0 else 1
+    BERT's packed projection. With `spread` (a choice per lane, a bool output), a thread's LANES
+    elements of its row lie a row's threads apart, unrolled (a rotary's rotate_half at a symbolic
+    length took twice the time of its static build, dividing per element). Scheduled in place;
+    False where not taken."""
+    vectors = 1 if spread or inner % (ROW_VECTORS * LANES) else ROW_VECTORS
     per_row = inner // (vectors * LANES)
     if len(loops) < 2 or all(const_int(sch.get(loop).extent) is not None for loop in loops[:-1]) or THREADS % per_row:
         return False
     rows = sch.fuse(*loops[:-1])
-    columns, pair, vector = sch.split(loops[-1], [None, vectors, LANES])
-    bx, row_in_block = sch.split(rows, [None, THREADS // per_row])
-    sch.reorder(bx, row_in_block, columns, pair, vector)
+    if spread:
+        lanes, columns = sch.split(loops[-1], [LANES, None])
+        bx, row_in_block = sch.split(rows, [None, THREADS // per_row])
+        sch.reorder(bx, row_in_block, columns, lanes)
+        sch.unroll(lanes)
+    else:
+        columns, pair, vector = sch.split(loops[-1], [None, vectors, LANES])
+        bx, row_in_block = sch.split(rows, [None, THREADS // per_row])
+        sch.reorder(bx, row_in_block, columns, pair, vector)
     sch.bind(bx, "blockIdx.x")
     sch.bind(sch.fuse(row_in_block, columns), "threadIdx.x")
-    sch.unroll(pair)
-    sch.vectorize(vector)
+    if not spread:
+        sch.unroll(pair)
+        sch.vectorize(vector)
     return True
 
 

@@ -100,6 +100,27 @@ def test_a_choice_per_lane_takes_four_elements_a_block_apart():
     assert [f"+ {i * elementwise.THREADS})] = condval_{i};" in source for i in (1, 2, 3)] == [True] * 3
 
 
+def test_a_choice_per_lane_at_a_symbolic_length_takes_rows_a_thread_its_elements_a_row_apart():
+    """At a symbolic length the row index is split once per thread (not per element, dividing by
+    the symbolic extents), and a thread's 4 elements lie 32 apart in its row: each half of
+    rotate_half, known when the kernel is written."""
+    seq = tvm.tirx.Var("seq", "int64")
+    bodies = kernel_bodies(cuda_source(tvm_ext.build(rotate_half(seq), CUDA_TARGET)))
+    assert bodies and all("condval" not in body and body.count("T_concat_intermediate_ptr[") == elementwise.LANES
+                          and " % " not in body and " / " not in body for body in bodies.values()), bodies
+
+
+@pytest.mark.gpu
+def test_a_symbolic_rotate_half_is_right_on_the_gpu(rng):
+    from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
+
+    dev = tvm.cuda()
+    main = VirtualMachine(tvm_ext.build(rotate_half(tvm.tirx.Var("seq", "int64")), "cuda"), dev)["main"]
+    for rows in (1, 7, 300):
+        x = rng.standard_normal((rows, 128)).astype("float16")
+        np.testing.assert_array_equal(main(tvm.runtime.tensor(x, dev)).numpy(), np.concatenate([-x[:, 64:], x[:, :64]], axis=1))
+
+
 @pytest.mark.gpu
 def test_a_head_merge_is_right_on_the_gpu(rng):
     from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
