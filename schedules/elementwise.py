@@ -77,21 +77,18 @@ def _symbolic_rows(sch: s_tir.Schedule, loops: list, inner: int, spread: bool = 
     per_row = inner // (vectors * LANES)
     if len(loops) < 2 or all(const_int(sch.get(loop).extent) is not None for loop in loops[:-1]) or THREADS % per_row:
         return False
-    rows = sch.fuse(*loops[:-1])
+    bx, row_in_block = sch.split(sch.fuse(*loops[:-1]), [None, THREADS // per_row])
     if spread:
         lanes, columns = sch.split(loops[-1], [LANES, None])
-        bx, row_in_block = sch.split(rows, [None, THREADS // per_row])
         sch.reorder(bx, row_in_block, columns, lanes)
         sch.unroll(lanes)
     else:
         columns, pair, vector = sch.split(loops[-1], [None, vectors, LANES])
-        bx, row_in_block = sch.split(rows, [None, THREADS // per_row])
         sch.reorder(bx, row_in_block, columns, pair, vector)
-    sch.bind(bx, "blockIdx.x")
-    sch.bind(sch.fuse(row_in_block, columns), "threadIdx.x")
-    if not spread:
         sch.unroll(pair)
         sch.vectorize(vector)
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(sch.fuse(row_in_block, columns), "threadIdx.x")
     return True
 
 

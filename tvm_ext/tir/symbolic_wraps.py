@@ -53,12 +53,16 @@ def drop_wraps(func: tirx.PrimFunc) -> tirx.PrimFunc:
     def quotient(expr):
         return tirx.IntImm(str(expr.ty), 0) if within(expr.a, expr.b) else expr
 
+    def dims_in(expr) -> set:
+        return {d.name for d in dims if any(v.same_as(d) for v in tirx.analysis.undefined_vars(expr))}
+
     def plain_index(index):
         """`index` simplified where that drops a symbolic dim from it, else as it is."""
-        if not any(v.same_as(d) for v in tirx.analysis.undefined_vars(index) for d in dims):
+        named = dims_in(index)
+        if not named:
             return index
         simple = analyzer.simplify(index)
-        return simple if len(tirx.analysis.undefined_vars(simple)) < len(tirx.analysis.undefined_vars(index)) else index
+        return simple if dims_in(simple) < named else index
 
     wraps = [(tirx.FloorMod, wrap), (tirx.FloorDiv, quotient)]
 
