@@ -85,7 +85,7 @@ def contraction_template(func: tirx.PrimFunc, target: Target | None = None):
     if gemv.fits(func):
         return gemv
     if target is not None and device_of(target).wgmma and wgmma_matmul.knob_space(func):
-        return wgmma_matmul  # also a gated epilogue (half of C's columns), which only this template writes
+        return wgmma_matmul  # also a gated epilogue (half of C's columns): of the tiled templates, only this one writes it
     if matmul.tensor_core_matmul(func) is not None:
         return matmul
     return conv2d if conv2d.convolution(func) is not None else None
