@@ -9,6 +9,7 @@ reading K and V. Sizes may be symbolic (any batch and cache length). See docs/at
 
 from __future__ import annotations
 
+import functools
 import math
 
 from tvm import tirx
@@ -55,32 +56,93 @@ def workspace_shapes(batch, dim: int) -> tuple:
     return (batch, MAX_SPLITS, dim), (batch, MAX_SPLITS, 2)
 
 
+class _Grown:
+    """K or V read from the cache before this step and the new rows (`past`, `new`: contiguous
+    tensor shapes, concatenated along `axis`), and written whole through the operand's view (of the
+    concatenation: the grown cache), so that no copy kernel reads the cache once more."""
+
+    def __init__(self, view, given: dict[str, Operand], name: str, axis: int):
+        past, new = given[f"{name}_past"][0], given[f"{name}_new"][0]
+        self.past_shape, self.new_shape = past, new
+        self.past_len, self.new_len, self.inner = past[axis], new[axis], math.prod(past[axis + 1:])
+        self.view = view
+
+    def bases(self, row, col) -> tuple:
+        """(offset in the past tensor, in the new one) of key 0 of (row, col): the element's
+        place in the concatenation split into what lies outside and inside the concatenated axis."""
+        at = self.view.element(row, 0, col)
+        grown_len = self.past_len + self.new_len
+        outer, inner = at // (grown_len * self.inner), at % self.inner
+        return outer * self.past_len * self.inner + inner, outer * self.new_len * self.inner + inner
+
+    def writes(self, row, real):
+        """Whether `row` writes a `real` key: the first of the query rows that share a cache row does."""
+        return functools.reduce(tirx.And, self.view.first_of_repeats(0, row), real)
+
+
 def partial_kernel(batch, seq_kv, dim: int, scale: float, sm_count: int,
-                   given: dict[str, Operand] | None = None, dtype: str = "float16") -> tirx.PrimFunc:
+                   given: dict[str, Operand] | None = None, dtype: str = "float16",
+                   grown: dict[str, int] | None = None) -> tirx.PrimFunc:
     """(q, k, v, values, max_sum): each (row, chunk) block's softmax state over its keys. `given` places
     q [batch, 1, dim], k and v [batch, seq_kv, dim] in other tensors (the cache, heads shared
-    between query heads by a broadcast view)."""
+    between query heads by a broadcast view). `grown` {"k" or "v": axis}: that operand's view is of
+    the concatenation along `axis` of `given`'s "{name}_past" and "{name}_new" tensors, which the
+    kernel reads and writes the concatenation itself: (q, k_past, k_new, v..., values, max_sum,
+    k_grown, v_grown) for those grown."""
     if not fits(batch, seq_kv, dim, given):
         raise ValueError(f"decode attention does not take batch={batch} keys={seq_kv} dim={dim}"
                          + (" and these operand views" if given else ""))
+    grown = grown or {}
     views = operands(batch, 1, seq_kv, dim, given)
     (q_shape, q_at), (k_shape, k_at), (v_shape, v_at) = (
         (shape, view.element) for shape, view in (views[name] for name in ("q", "k", "v")))
+    kg, vg = (_Grown(views[name][1], given, name, grown[name]) if name in grown else None for name in ("k", "v"))
+    grow_k, grow_v = kg is not None, vg is not None
+    k_in_shape, v_in_shape = (g.past_shape if g else shape for g, shape in ((kg, k_shape), (vg, v_shape)))
+    k_new_shape, v_new_shape = (g.new_shape if g else (1,) for g in (kg, vg))
     lanes = dim // COPY_ELEMS  # lanes per key row, 16 bytes each
     groups = THREADS // lanes  # keys a block reads at once
     n_splits = splits(batch, seq_kv, sm_count)
     chunk = (seq_kv + n_splits - 1) // n_splits
     steps = (chunk + groups * UNROLL - 1) // (groups * UNROLL)
     scale_log2 = float(scale) * LOG2E
-    full = 0xFFFFFFFF
+    full = tirx.const(0xFFFFFFFF, "uint32")
+
+    @T.macro(hygienic=False)
+    def load(regs, tensor, new_rows, at, grows, is_grown, u, key):
+        """UNROLL's `u`th key row of K or V into registers: from the past or the new rows of a grown cache."""
+        if is_grown:
+            if key < grows.past_len:
+                for e in T.vectorized(COPY_ELEMS):
+                    regs[u * COPY_ELEMS + e] = tensor[grows.bases(bx, col)[0] + key * grows.inner + e]
+            else:
+                for e in T.vectorized(COPY_ELEMS):
+                    regs[u * COPY_ELEMS + e] = new_rows[grows.bases(bx, col)[1] + (key - grows.past_len) * grows.inner + e]
+        else:
+            for e in T.vectorized(COPY_ELEMS):
+                regs[u * COPY_ELEMS + e] = tensor[at(bx, key, col + e)]
+
+    @T.macro(hygienic=False)
+    def store(regs, grown_out, at, grows, is_grown, u, key):
+        """A real key's row of a grown cache from the registers, by the first query row that reads it."""
+        if is_grown:
+            if grows.writes(bx, key < end):
+                for e in T.vectorized(COPY_ELEMS):
+                    grown_out[at(bx, key, col + e)] = regs[u * COPY_ELEMS + e]
 
     @T.prim_func(check_well_formed=False)
-    def partial(q_in: T.Buffer(q_shape, dtype), k_in: T.Buffer(k_shape, dtype), v_in: T.Buffer(v_shape, dtype),
-                ws: T.Buffer(workspace_shapes(batch, dim)[0], "float32"), ml: T.Buffer(workspace_shapes(batch, dim)[1], "float32")):
+    def partial(q_in: T.Buffer(q_shape, dtype), k_in: T.Buffer(k_in_shape, dtype), k_new_in: T.Buffer(k_new_shape, dtype),
+                v_in: T.Buffer(v_in_shape, dtype), v_new_in: T.Buffer(v_new_shape, dtype),
+                ws: T.Buffer(workspace_shapes(batch, dim)[0], "float32"), ml: T.Buffer(workspace_shapes(batch, dim)[1], "float32"),
+                k_out: T.Buffer(k_shape, dtype), v_out: T.Buffer(v_shape, dtype)):
         T.func_attr({"tirx.noalias": True})
         q = T.decl_buffer((math.prod(q_shape),), dtype, data=q_in.data)  # flat: indexed through the views
-        k = T.decl_buffer((math.prod(k_shape),), dtype, data=k_in.data)
-        v = T.decl_buffer((math.prod(v_shape),), dtype, data=v_in.data)
+        k = T.decl_buffer((math.prod(k_in_shape),), dtype, data=k_in.data)
+        v = T.decl_buffer((math.prod(v_in_shape),), dtype, data=v_in.data)
+        k_new = T.decl_buffer((math.prod(k_new_shape),), dtype, data=k_new_in.data)
+        v_new = T.decl_buffer((math.prod(v_new_shape),), dtype, data=v_new_in.data)
+        k_grown = T.decl_buffer((math.prod(k_shape),), dtype, data=k_out.data)
+        v_grown = T.decl_buffer((math.prod(v_shape),), dtype, data=v_out.data)
         bx = T.launch_thread("blockIdx.x", batch)  # rows fastest: the query heads of one cache head run together
         by = T.launch_thread("blockIdx.y", n_splits)
         tx = T.launch_thread("threadIdx.x", THREADS)
@@ -104,11 +166,12 @@ def partial_kernel(batch, seq_kv, dim: int, scale: float, sm_count: int,
         for i in T.serial(steps):
             for u in T.unroll(UNROLL):  # every load first: UNROLL rows of K and V in flight
                 key = T.meta_var(T.min(start + (i * UNROLL + u) * groups + g, seq_kv - 1))
-                for e in T.vectorized(COPY_ELEMS):
-                    k_r[u * COPY_ELEMS + e] = k[k_at(bx, key, col + e)]
-                for e in T.vectorized(COPY_ELEMS):
-                    v_r[u * COPY_ELEMS + e] = v[v_at(bx, key, col + e)]
+                load(k_r, k, k_new, k_at, kg, grow_k, u, key)
+                load(v_r, v, v_new, v_at, vg, grow_v, u, key)
             for u in T.unroll(UNROLL):
+                key = T.meta_var(start + (i * UNROLL + u) * groups + g)
+                store(k_r, k_grown, k_at, kg, grow_k, u, key)  # the grown cache, each key once
+                store(v_r, v_grown, v_at, vg, grow_v, u, key)
                 s[u] = T.float32(0)
                 for e in T.unroll(COPY_ELEMS):
                     s[u] = s[u] + q_f[e] * T.Cast("float32", k_r[u * COPY_ELEMS + e])
@@ -148,7 +211,11 @@ def partial_kernel(batch, seq_kv, dim: int, scale: float, sm_count: int,
                     ml[bx, by, 0] = state[0]
                     ml[bx, by, 1] = state[1]
 
-    return partial
+    p = partial.params  # q, k, k_new, v, v_new, values, max_sum, k_grown, v_grown: those of the operands grown
+    params = [p[0], p[1], *p[2:3] * grow_k, p[3], *p[4:5] * grow_v, p[5], p[6], *p[7:8] * grow_k, *p[8:9] * grow_v]
+    dropped = {*("k_new", "k_grown") * (not grow_k), *("v_new", "v_grown") * (not grow_v)}  # and their flat views
+    body = tirx.SeqStmt([x for x in partial.body.seq if not (isinstance(x, tirx.DeclBuffer) and x.buffer.name in dropped)])
+    return tirx.PrimFunc(params, body, partial.ret_type, partial.attrs)
 
 
 def combine_kernel(batch, seq_kv, dim: int, sm_count: int, out: Operand | None = None,
@@ -158,6 +225,7 @@ def combine_kernel(batch, seq_kv, dim: int, sm_count: int, out: Operand | None =
     out_shape, out_view = out or operands(batch, 1, seq_kv, dim)["out"]
     out_at = out_view.element
     n_splits = splits(batch, seq_kv, sm_count)
+    n_splits = n_splits if isinstance(n_splits, int) else tirx.Cast("int32", n_splits)  # <= MAX_SPLITS
 
     @T.prim_func(check_well_formed=False)
     def combine(ws: T.Buffer(workspace_shapes(batch, dim)[0], "float32"), ml: T.Buffer(workspace_shapes(batch, dim)[1], "float32"),
@@ -166,15 +234,20 @@ def combine_kernel(batch, seq_kv, dim: int, sm_count: int, out: Operand | None =
         o = T.decl_buffer((math.prod(out_shape),), dtype, data=out_in.data)
         bx = T.launch_thread("blockIdx.x", batch)
         tx = T.launch_thread("threadIdx.x", dim)
+        part = T.alloc_buffer((3 * MAX_SPLITS,), "float32", scope="local")  # each chunk's maximum, sum, weighted value
         state = T.alloc_buffer((3,), "float32", scope="local")  # maximum, sum, weighted values
+        for j in T.unroll(MAX_SPLITS):  # every chunk's state loaded at once (a chunk past the row's weighs 0)
+            part[j] = T.if_then_else(j < n_splits, ml[bx, j, 0], T.float32(MASKED))
+            part[MAX_SPLITS + j] = T.if_then_else(j < n_splits, ml[bx, j, 1], T.float32(0))
+            part[2 * MAX_SPLITS + j] = T.if_then_else(j < n_splits, ws[bx, j, tx], T.float32(0))
         state[0] = T.float32(MASKED)
-        for j in T.serial(n_splits):
-            state[0] = T.max(state[0], ml[bx, j, 0])
+        for j in T.unroll(MAX_SPLITS):
+            state[0] = T.max(state[0], part[j])
         state[1] = T.float32(0)
         state[2] = T.float32(0)
-        for j in T.serial(n_splits):
-            state[1] = state[1] + ml[bx, j, 1] * T.exp2(ml[bx, j, 0] - state[0])
-            state[2] = state[2] + ws[bx, j, tx] * T.exp2(ml[bx, j, 0] - state[0])
+        for j in T.unroll(MAX_SPLITS):
+            state[1] = state[1] + part[MAX_SPLITS + j] * T.exp2(part[j] - state[0])
+            state[2] = state[2] + part[2 * MAX_SPLITS + j] * T.exp2(part[j] - state[0])
         o[out_at(bx, 0, tx)] = T.Cast(dtype, state[2] / state[1])
 
     return combine

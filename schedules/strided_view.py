@@ -98,6 +98,19 @@ class StridedView:
                 total = total + term * stride
         return total
 
+    def covers(self, shape) -> bool:
+        """Whether the view reaches every element of a contiguous tensor of `shape`: its pieces
+        other than broadcasts hold as many elements as the tensor, from its start."""
+        return self.offset == 0 and math.prod(size for axis in self.axes for size, stride in axis if stride != 0) \
+            == math.prod(shape)
+
+    def first_of_repeats(self, axis: int, index) -> list:
+        """Conditions (one per broadcast piece of `axis`) that `index` is the first of the indices
+        along `axis` that the broadcast gives the same elements: the one that writes them."""
+        pieces = self.axes[axis]
+        return [index // math.prod(n for n, _ in pieces[i + 1:]) % size == 0
+                for i, (size, stride) in enumerate(pieces) if stride == 0]
+
     def unit_stride_rows(self, axis: int, alignment: int) -> bool:
         """Whether `axis` is one piece of stride 1 and every other element of the view starts
         on a multiple of `alignment` (what 16-byte vector copies of that axis need)."""

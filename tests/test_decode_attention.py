@@ -4,6 +4,7 @@ build, GQA, any CUDA architecture), the polynomial fit over two symbolic dims, a
 numbers alone and inside the decode layer of examples/torch_models.py."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -20,26 +21,33 @@ SM_90A = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 SM_80 = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})
 
 
-def decode_chain(batch, past, heads=4, kv_heads=2, dim=128, dtype="float16") -> tvm.IRModule:
+def decode_chain(batch, past, heads=4, kv_heads=2, dim=128, dtype="float16", grown=False) -> tvm.IRModule:
     """A new token's q [batch, heads, 1, dim] against the cache [batch, kv_heads, past, dim] each
-    query head's keys and values repeated from its group's, spelled out as the frontend imports it."""
+    query head's keys and values repeated from its group's, spelled out as the frontend imports it.
+    `grown`: the cache is first grown by the new token's key and value rows (inputs too), and
+    returned with the output."""
     group, n = heads // kv_heads, batch * heads
+    keys = past + 1 if grown else past
     q = relax.Var("q", relax.TensorType([batch, heads, 1, dim], dtype))
     k, v = (relax.Var(x, relax.TensorType([batch, kv_heads, past, dim], dtype)) for x in "kv")
+    new = [relax.Var(f"new_{x}", relax.TensorType([batch, kv_heads, 1, dim], dtype)) for x in "kv"] if grown else []
 
     def repeated(bb, x):
-        wide = bb.emit(relax.op.broadcast_to(bb.emit(relax.op.expand_dims(x, [2])), [batch, kv_heads, group, past, dim]))
-        return bb.emit(relax.op.reshape(wide, [batch, heads, past, dim]))
+        wide = bb.emit(relax.op.broadcast_to(bb.emit(relax.op.expand_dims(x, [2])), [batch, kv_heads, group, keys, dim]))
+        return bb.emit(relax.op.reshape(wide, [batch, heads, keys, dim]))
 
-    def body(bb, q, k, v):
-        kt = bb.emit(relax.op.reshape(bb.emit(relax.op.permute_dims(repeated(bb, k), [0, 1, 3, 2])), [n, dim, past]))
+    def body(bb, q, k, v, *new):
+        if new:
+            k, v = (bb.emit(relax.op.concat([x, x_new], axis=2)) for x, x_new in zip((k, v), new))
+        kt = bb.emit(relax.op.reshape(bb.emit(relax.op.permute_dims(repeated(bb, k), [0, 1, 3, 2])), [n, dim, keys]))
         s = bb.emit(relax.op.matmul(bb.emit(relax.op.reshape(q, [n, 1, dim])), kt, out_dtype="float32"))
         s = bb.emit(relax.op.divide(s, relax.const(math.sqrt(dim), "float32")))
         p = bb.emit(relax.op.astype(bb.emit(relax.op.nn.softmax(s)), dtype))
-        o = bb.emit(relax.op.matmul(p, bb.emit(relax.op.reshape(repeated(bb, v), [n, past, dim])), out_dtype="float32"))
-        return relax.op.astype(o, dtype)
+        o = bb.emit(relax.op.matmul(p, bb.emit(relax.op.reshape(repeated(bb, v), [n, keys, dim])), out_dtype="float32"))
+        out = relax.op.astype(o, dtype)
+        return relax.Tuple([bb.emit(out), k, v]) if new else out
 
-    return main_module(body, [q, k, v])
+    return main_module(body, [q, k, v, *new])
 
 
 def fused(mod, target=SM_90A) -> tvm.IRModule:
@@ -62,6 +70,41 @@ def test_one_query_row_is_split_over_the_keys_on_any_cuda_architecture(target, s
     assert "R.nn.softmax" not in main and "R.matmul" not in main and "R.broadcast_to" not in main
     if symbolic:  # rows are batch x heads: the combine kernel, reading the workspace alone, takes both dims
         assert "(q, k, v)" in main and "R.Tensor((batch * 4, 32, 128)" in main and "(lv1, lv2, batch, past)" in main
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_the_cache_grown_by_the_new_rows_is_written_by_the_attention_kernel(symbolic):
+    """concat(past, new) read by decoding attention: the kernel reads both parts and writes the grown
+    cache once, from the first query head of each group, so no copy kernel reads the cache first."""
+    batch, past = (tvm.tirx.Var("batch", "int64"), tvm.tirx.Var("past", "int64")) if symbolic else (3, 300)
+    after = fused(decode_chain(batch, past, grown=True))
+    main = after["main"].script()
+    assert "R.concat" not in main and "(q, k, new_k, v, new_v" in main
+    assert main.count("R.Tensor((batch, 2, past + 1, 128)" if symbolic else "R.Tensor((3, 2, 301, 128)") >= 4  # 2 outputs, each returned
+    kernel = after["fused_decode_attention"].script()
+    assert kernel.count("_grown[") == 2 and len(re.findall(r"bx % (T.int64\()?2\)? == ", kernel)) == 2  # one writer per cache head
+    assert kernel.count("k_new[") == 1 and kernel.count("v_new[") == 1
+
+
+def test_a_concatenation_the_kernel_reads_only_in_part_stays_a_copy():
+    """Attention reading the grown cache through a slice of its keys leaves the concatenation whole."""
+    k, v, new_k, new_v = (relax.Var(x, relax.TensorType([2, 4, n, 128], "float16"))
+                          for x, n in (("k", 100), ("v", 100), ("new_k", 1), ("new_v", 1)))
+    q = relax.Var("q", relax.TensorType([2, 4, 1, 128], "float16"))
+
+    def body(bb, q, k, v, new_k, new_v):
+        k, v = (bb.emit(relax.op.concat([x, x_new], axis=2)) for x, x_new in ((k, new_k), (v, new_v)))
+        k_part = bb.emit(relax.op.strided_slice(k, axes=[2], begin=[1], end=[101]))
+        kt = bb.emit(relax.op.reshape(bb.emit(relax.op.permute_dims(k_part, [0, 1, 3, 2])), [8, 128, 100]))
+        s = bb.emit(relax.op.matmul(bb.emit(relax.op.reshape(q, [8, 1, 128])), kt, out_dtype="float32"))
+        p = bb.emit(relax.op.astype(bb.emit(relax.op.nn.softmax(s)), "float16"))
+        v_part = bb.emit(relax.op.reshape(bb.emit(relax.op.strided_slice(v, axes=[2], begin=[1], end=[101])), [8, 100, 128]))
+        o = bb.emit(relax.op.matmul(p, v_part, out_dtype="float32"))
+        return relax.Tuple([bb.emit(relax.op.astype(o, "float16")), k, v])
+
+    after = fused(main_module(body, [q, k, v, new_k, new_v]))
+    assert calls_of(after) == ["fused_decode_attention", "fused_decode_attention_combine"]
+    assert after["main"].script().count("R.concat") == 2
 
 
 def test_the_key_view_repeats_each_cache_head_for_its_query_heads():

@@ -28,6 +28,7 @@ from tvm_ext.schedules.strided_view import StridedView
 
 from .. import fallback
 from ..tir import check_builds
+from ..tir.narrowing import OURS
 from .bindings import Bindings, op_name, static_shape
 from .legalize import legalizations
 from .reduce_fusion import OPAQUE
@@ -371,9 +372,14 @@ def _match(chain: Bindings, final, masks: _Masks) -> dict | None:
         k = (relax.op.permute_dims(kt3, [0, 2, 1]), StridedView.contiguous([batch, seq_kv, dim]), 1.0)
     out = _destination(chain, final, [batch, seq_q, dim])
     sources = {"q": q[:2], "k": k[:2], "v": v[:2], "out": out}
+    grown = {}
+    for name in ("k", "v") if seq_q == 1 and added is None else ():
+        if (parts := _concatenated(chain, sources[name], seq_kv)) is not None:
+            grown[name] = parts[2]
+            sources.update({f"{name}_past": (parts[0], None), f"{name}_new": (parts[1], None)})
     scale *= q[2] * k[2]
-    given = {name: (view.shape if isinstance(x, relax.Call) else tuple(static_shape(x)), view)
-             for name, (x, view) in sources.items()}
+    given = {name: (view.shape if isinstance(x, relax.Call) else tuple(static_shape(x)),
+                    view or StridedView.contiguous(static_shape(x))) for name, (x, view) in sources.items()}
     mask_given = None if added is None else (tuple(static_shape(added[0])), added[1], added[2])
     decoding = seq_q == 1 and added is None  # one query row: split over the keys instead
     if not (decode_attention.fits(batch, seq_kv, dim, given) if decoding else
@@ -381,7 +387,26 @@ def _match(chain: Bindings, final, masks: _Masks) -> dict | None:
         return None
     return {"sources": sources, "given": given, "sizes": (batch, seq_q, seq_kv, dim), "scale": scale, "causal": causal,
             "mask": None if added is None else (added[0], mask_given), "empty_rows_zero": added is not None and guard is not None,
-            "decoding": decoding, "dtype": dtype}
+            "decoding": decoding, "dtype": dtype, "grown": grown}
+
+
+def _concatenated(chain: Bindings, source: tuple, seq_kv: int) -> tuple | None:
+    """(past, new, axis) where decoding's K or V (tensor, view of [rows, keys, dim] in it) is the whole of
+    `concat((past, new), axis)` with the keys along `axis` (a KV cache grown by this step's rows): the
+    kernel then reads both and writes the concatenation, so that no copy kernel reads the cache first."""
+    x, view = source
+    call = chain.producer(x)
+    if op_name(call) != "relax.concat":
+        return None
+    parts = call.args[0] if isinstance(call.args[0], relax.Tuple) else chain.producer(call.args[0])
+    if not isinstance(parts, relax.Tuple) or len(parts.fields) != 2:
+        return None
+    shape, (past, new) = static_shape(x), parts.fields
+    axis = int(call.attrs.axis) % len(shape)
+    if any(static_shape(p) is None or _dtype(p) != _dtype(x) for p in (past, new)) \
+            or shape[axis] != seq_kv or view.axes[1] != ((seq_kv, math.prod(shape[axis + 1:])),) or not view.covers(shape):
+        return None
+    return past, new, axis
 
 
 def _permutation(call: relax.Call, rank: int) -> list[int]:
@@ -492,7 +517,8 @@ def _decode_kernels(found: dict) -> tuple:
     batch, _, seq_kv, dim = found["sizes"]
     sm_count = device_of(Target.current()).sm_count
     partial, dims = decode_attention.with_scalar_dims(decode_attention.partial_kernel(
-        batch, seq_kv, dim, found["scale"], sm_count, given=found["given"], dtype=found["dtype"]), outputs=2)
+        batch, seq_kv, dim, found["scale"], sm_count, given=found["given"], dtype=found["dtype"], grown=found["grown"]),
+        outputs=2 + len(found["grown"]))
     combine, combine_dims = decode_attention.with_scalar_dims(
         decode_attention.combine_kernel(batch, seq_kv, dim, sm_count, out=found["given"]["out"], dtype=found["dtype"]))
     return partial, dims, combine, combine_dims
@@ -523,12 +549,17 @@ class _Rewriter(relax.PyExprMutator):
         else:
             self._prefill(binding, found, kernels[0])
 
-    def _add(self, func: tirx.PrimFunc, name: str) -> relax.GlobalVar:
-        """`func` in the module, named after its GlobalVar (two attention shapes, two names)."""
-        return self.builder_.add_func(func.without_attr("global_symbol").with_attrs(KERNEL_ATTRS), name)
+    def _add(self, func: tirx.PrimFunc, name: str, narrowed: bool = False) -> relax.GlobalVar:
+        """`func` in the module, named after its GlobalVar (two attention shapes, two names); `narrowed`:
+        given int32 indices where its sizes allow (tir/narrowing.py; the wgmma kernel's do not narrow)."""
+        attrs = {**KERNEL_ATTRS, OURS: True} if narrowed else KERNEL_ATTRS
+        return self.builder_.add_func(func.without_attr("global_symbol").with_attrs(attrs), name)
 
     def _inputs(self, found: dict) -> list:
-        inputs = [self.visit_expr(found["sources"][name][0]) for name in ("q", "k", "v")]
+        """q, k, v as the kernel reads them: a grown cache as its past and new parts."""
+        names = [part for name in ("q", "k", "v")
+                 for part in ((f"{name}_past", f"{name}_new") if name in found["grown"] else (name,))]
+        inputs = [self.visit_expr(found["sources"][name][0]) for name in names]
         return [self.builder_.emit(x) if isinstance(x, relax.Call) else x for x in inputs]  # K transposed
 
     def _prefill(self, binding: relax.VarBinding, found: dict, kernel: tirx.PrimFunc) -> None:
@@ -540,12 +571,17 @@ class _Rewriter(relax.PyExprMutator):
         self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
 
     def _decode(self, binding: relax.VarBinding, found: dict, partial, dims, combine, combine_dims) -> None:
-        """Split-KV decoding attention: the chunks' softmax states into a workspace, then combined."""
+        """Split-KV decoding attention: the chunks' softmax states into a workspace, then combined.
+        A grown cache is the partial kernel's output from here on (the concatenation left unused)."""
         batch, dim = found["sizes"][0], found["sizes"][3]
+        grown = [name for name in ("k", "v") if name in found["grown"]]
         states = self.builder_.emit(relax.call_tir(
-            self._add(partial, "fused_decode_attention"), [*self._inputs(found), *dims],
-            [relax.TensorType(shape, "float32") for shape in decode_attention.workspace_shapes(batch, dim)]))
-        call = relax.call_tir(self._add(combine, "fused_decode_attention_combine"),
+            self._add(partial, "fused_decode_attention", narrowed=True), [*self._inputs(found), *dims],
+            [relax.TensorType(shape, "float32") for shape in decode_attention.workspace_shapes(batch, dim)]
+            + [relax.TensorType(found["given"][name][0], found["dtype"]) for name in grown]))
+        for i, name in enumerate(grown):
+            self.set_var_remap(found["sources"][name][0], self.builder_.emit(relax.TupleGetItem(states, 2 + i)))
+        call = relax.call_tir(self._add(combine, "fused_decode_attention_combine", narrowed=True),
                               [self.builder_.emit(relax.TupleGetItem(states, i)) for i in range(2)] + combine_dims,
                               relax.TensorType(found["given"]["out"][0], found["dtype"]))
         self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
@@ -598,7 +634,8 @@ def _generalised(runs: list, dims: list) -> dict | None:
     func's var), or None where they differ in anything but polynomial sizes and views, or where the
     query and key lengths are neither one symbolic length (prefill) nor one query row (decoding)."""
     first = runs[0][1]
-    if any(m["mask"] is not None or m["causal"] != first["causal"] or m["scale"] != first["scale"] for _, m in runs):
+    if any(m["mask"] is not None or m["causal"] != first["causal"] or m["scale"] != first["scale"]
+           or m["grown"] != first["grown"] for _, m in runs):
         return None
     sources = {}
     for name in first["sources"]:

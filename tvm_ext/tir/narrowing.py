@@ -69,6 +69,7 @@ def narrow_indices(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
 def _narrowable(func: tirx.PrimFunc) -> bool:
     """Only our own kernels: TVM's rewrite breaks dlight's tensor-core matmuls (int64 vs int32 in their
     WMMA fragment offsets: a fp16 LLaMA layer failed to build). And TVM's rewrite narrows integer data
-    too: a kernel with int64 tensors (argmax's indices) keeps int64."""
+    too: a kernel with int64 tensors (argmax's indices) keeps int64; integer scalars (sizes) narrow."""
     return func.attrs.get(OURS, False) and not any(str(p.ty.dtype).startswith(("int", "uint"))
-                                                    for p in func.params if hasattr(p, "ty"))
+                                                    for p in func.params
+                                                    if hasattr(p, "ty") and not isinstance(p.ty, tvm.ir.PrimType))
