@@ -4,8 +4,9 @@ One block per query row would leave most SMs idle at batch 1 and read the cache 
 the bandwidth. Here ("flash-decoding") the keys are cut into chunks; a block per (row, chunk) keeps
 the softmax state of its chunk (maximum, sum, weighted values) and writes it to a float32
 workspace, and a second kernel combines the chunks of each row, as a softmax's running maximum
-and sum combine. CUDA cores: one query row against the keys is a matrix-vector product, bound by
-reading K and V. Sizes may be symbolic (any batch and cache length). See docs/attention.md#decoding."""
+and sum combine. A cache grown by this step's rows (concatenated along the keys) is read in its
+two parts and written by the blocks as they read it. CUDA cores: one query row against the keys is
+a matrix-vector product, bound by reading K and V. Sizes may be symbolic (any batch and cache length). See docs/attention.md#decoding."""
 
 from __future__ import annotations
 
@@ -110,7 +111,8 @@ def partial_kernel(batch, seq_kv, dim: int, scale: float, sm_count: int,
 
     @T.macro(hygienic=False)
     def load(regs, tensor, new_rows, at, grows, is_grown, u, key):
-        """UNROLL's `u`th key row of K or V into registers: from the past or the new rows of a grown cache."""
+        """UNROLL's `u`th key row of K or V into registers: from the past or the new rows of a grown cache
+        (`is_grown`: `grows` is not None, as the Python bool TVMScript's static `if` needs)."""
         if is_grown:
             if key < grows.past_len:
                 for e in T.vectorized(COPY_ELEMS):
