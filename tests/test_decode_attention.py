@@ -21,24 +21,26 @@ SM_90A = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 SM_80 = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})
 
 
-def decode_chain(batch, past, heads=4, kv_heads=2, dim=128, dtype="float16", grown=False) -> tvm.IRModule:
+def decode_chain(batch, past, heads=4, kv_heads=2, dim=128, dtype="float16", grown=False, keys_axis=2) -> tvm.IRModule:
     """A new token's q [batch, heads, 1, dim] against the cache [batch, kv_heads, past, dim] each
     query head's keys and values repeated from its group's, spelled out as the frontend imports it.
     `grown`: the cache is first grown by the new token's key and value rows (inputs too), and
-    returned with the output."""
+    returned with the output. `keys_axis` 1: the cache is laid out [batch, past, kv_heads, dim]."""
     group, n = heads // kv_heads, batch * heads
     keys = past + 1 if grown else past
+    layout = (lambda length: [batch, kv_heads, length, dim]) if keys_axis == 2 else (lambda length: [batch, length, kv_heads, dim])
     q = relax.Var("q", relax.TensorType([batch, heads, 1, dim], dtype))
-    k, v = (relax.Var(x, relax.TensorType([batch, kv_heads, past, dim], dtype)) for x in "kv")
-    new = [relax.Var(f"new_{x}", relax.TensorType([batch, kv_heads, 1, dim], dtype)) for x in "kv"] if grown else []
+    k, v = (relax.Var(x, relax.TensorType(layout(past), dtype)) for x in "kv")
+    new = [relax.Var(f"new_{x}", relax.TensorType(layout(1), dtype)) for x in "kv"] if grown else []
 
     def repeated(bb, x):
+        x = x if keys_axis == 2 else bb.emit(relax.op.permute_dims(x, [0, 2, 1, 3]))
         wide = bb.emit(relax.op.broadcast_to(bb.emit(relax.op.expand_dims(x, [2])), [batch, kv_heads, group, keys, dim]))
         return bb.emit(relax.op.reshape(wide, [batch, heads, keys, dim]))
 
     def body(bb, q, k, v, *new):
         if new:
-            k, v = (bb.emit(relax.op.concat([x, x_new], axis=2)) for x, x_new in zip((k, v), new))
+            k, v = (bb.emit(relax.op.concat([x, x_new], axis=keys_axis)) for x, x_new in zip((k, v), new))
         kt = bb.emit(relax.op.reshape(bb.emit(relax.op.permute_dims(repeated(bb, k), [0, 1, 3, 2])), [n, dim, keys]))
         s = bb.emit(relax.op.matmul(bb.emit(relax.op.reshape(q, [n, 1, dim])), kt, out_dtype="float32"))
         s = bb.emit(relax.op.divide(s, relax.const(math.sqrt(dim), "float32")))
@@ -72,15 +74,18 @@ def test_one_query_row_is_split_over_the_keys_on_any_cuda_architecture(target, s
         assert "(q, k, v)" in main and "R.Tensor((batch * 4, 32, 128)" in main and "(lv1, lv2, batch, past)" in main
 
 
+@pytest.mark.parametrize("keys_axis", [2, 1])
 @pytest.mark.parametrize("symbolic", [False, True])
-def test_the_cache_grown_by_the_new_rows_is_written_by_the_attention_kernel(symbolic):
+def test_the_cache_grown_by_the_new_rows_is_written_by_the_attention_kernel(symbolic, keys_axis):
     """concat(past, new) read by decoding attention: the kernel reads both parts and writes the grown
     cache once, from the first query head of each group, so no copy kernel reads the cache first."""
     batch, past = (tvm.tirx.Var("batch", "int64"), tvm.tirx.Var("past", "int64")) if symbolic else (3, 300)
-    after = fused(decode_chain(batch, past, grown=True))
+    after = fused(decode_chain(batch, past, grown=True, keys_axis=keys_axis))
     main = after["main"].script()
     assert "R.concat" not in main and "(q, k, new_k, v, new_v" in main
-    assert main.count("R.Tensor((batch, 2, past + 1, 128)" if symbolic else "R.Tensor((3, 2, 301, 128)") >= 4  # 2 outputs, each returned
+    grown = ("batch", "past + 1") if symbolic else ("3", "301")
+    grown = f"R.Tensor(({grown[0]}, 2, {grown[1]}, 128)" if keys_axis == 2 else f"R.Tensor(({grown[0]}, {grown[1]}, 2, 128)"
+    assert main.count(grown) >= 4  # 2 outputs, each returned
     kernel = after["fused_decode_attention"].script()
     assert kernel.count("_grown[") == 2 and len(re.findall(r"bx % (T.int64\()?2\)? == ", kernel)) == 2  # one writer per cache head
     assert kernel.count("k_new[") == 1 and kernel.count("v_new[") == 1
@@ -214,6 +219,32 @@ def test_decode_layer_built_once_matches_pytorch_at_every_batch_and_cache_length
         for g, w, what in zip(got, want, ("output", "keys", "values")):
             np.testing.assert_allclose(torch.from_dlpack(g).float().cpu().numpy(), w.float().cpu().numpy(), atol=atol,
                                        err_msg=f"{what} at batch {batch}, past {past}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("keys_axis", [2, 1])
+def test_a_grown_cache_and_attention_over_it_match_numpy_from_one_build(keys_axis, rng):
+    """Built once for any batch and length, GQA, both cache layouts: the output against float64 and
+    the grown caches against the concatenation, at lengths whose chunks end inside the new row's."""
+    from tvm.runtime.vm import VirtualMachine  # noqa: PLC0415
+
+    dims = (tvm.tirx.Var("batch", "int64"), tvm.tirx.Var("past", "int64"))
+    main = VirtualMachine(tvm_ext.build(decode_chain(*dims, grown=True, keys_axis=keys_axis), "cuda"), tvm.cuda())["main"]
+    for batch, past in ((1, 1), (2, 63), (3, 500), (1, 4095)):
+        shape = (lambda n: (batch, 2, n, 128)) if keys_axis == 2 else (lambda n: (batch, n, 2, 128))
+        q = rng.standard_normal((batch, 4, 1, 128)).astype("float16")
+        k, v, new_k, new_v = (rng.standard_normal(shape(n)).astype("float16") for n in (past, past, 1, 1))
+        out, k_all, v_all = main(*(tvm.runtime.tensor(x, tvm.cuda()) for x in (q, k, v, new_k, new_v)))
+        np.testing.assert_array_equal(k_all.numpy(), np.concatenate([k, new_k], axis=keys_axis))
+        np.testing.assert_array_equal(v_all.numpy(), np.concatenate([v, new_v], axis=keys_axis))
+        keys, values = (np.concatenate([x, x_new], axis=keys_axis).astype("float64") for x, x_new in ((k, new_k), (v, new_v)))
+        if keys_axis == 1:
+            keys, values = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
+        keys, values = np.repeat(keys, 2, axis=1), np.repeat(values, 2, axis=1)  # each cache head serves 2 query heads
+        scores = q.astype("float64") @ keys.transpose(0, 1, 3, 2) / math.sqrt(128)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        want = (probs / probs.sum(-1, keepdims=True)) @ values
+        np.testing.assert_allclose(out.numpy().reshape(want.shape), want, atol=2e-3, rtol=2e-3, err_msg=f"batch {batch}, past {past}")
 
 
 def test_the_cuda_reads_16_byte_rows_and_sums_a_row_across_its_lanes():
