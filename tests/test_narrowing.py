@@ -61,6 +61,17 @@ def test_symbolic_kernel_is_built_twice_and_chosen_on_the_element_count():
     assert at(2**31 // 4096 - 1).value and not at(2**31 // 4096).value  # n * 4096 < 2^31
 
 
+def test_an_integer_scalar_no_buffer_bounds_is_checked_too():
+    """A rotary angle's positions start at the cache's length, a scalar no buffer of the kernel bounds:
+    the int32 twin runs only while the scalar fits too."""
+    n, start = tirx.Var("n", "int64"), tirx.Var("start", "int64")
+    positions = tvm.te.compute((n,), lambda i: (i + start).astype("float32"), name="positions")
+    condition = narrowing.narrow_condition(tvm.te.create_prim_func([positions, start]))
+    at = lambda n_value, start_value: tvm.sym.Analyzer().simplify(tvm_ffi.structural_map(  # noqa: E731
+        condition, (tirx.Var, lambda v: tirx.const({"n": n_value, "start": start_value}[v.name], "int64"))))
+    assert at(10, 2**31 - 1).value and not at(10, 2**31).value
+
+
 @pytest.mark.parametrize("rows, expected", [(3, "softmax_i32"), (9, "softmax")])
 def test_both_versions_run_and_agree_on_the_cpu(monkeypatch, rows, expected, rng):
     # a limit of 8 rows of 300 stands in for 2^31 so that both sides run here

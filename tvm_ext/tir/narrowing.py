@@ -30,14 +30,17 @@ def _product(dims):
 
 def index_bounds(func: tirx.PrimFunc) -> list:
     """Expressions every index of `func` stays below: each buffer's element count (parameters and
-    allocations) and the product of its thread-binding extents (the launched threads)."""
+    allocations), the product of its thread-binding extents (the launched threads), and each integer
+    scalar it takes (a size no buffer bounds, such as the first position of a rotary angle's range)."""
+    scalars = [_product([p]) for p in func.params if isinstance(getattr(p, "ty", None), tvm.ir.PrimType)
+               and str(p.ty.dtype).startswith("int")]
     buffers = list(func.params)
     tvm_ffi.structural_walk(func.body, (tvm.s_tir.SBlock, lambda b: buffers.extend(b.alloc_buffers)), order="pre")
     bounds = [_product(buf.shape) for buf in buffers if getattr(buf, "shape", None) is not None]
     threads = []
     tvm_ffi.structural_walk(func.body, (tirx.For, lambda loop: threads.append(loop.extent)
                                         if loop.thread_binding is not None else None), order="pre")
-    return bounds + ([_product(threads)] if threads else [])
+    return bounds + ([_product(threads)] if threads else []) + scalars
 
 
 def narrow_condition(func: tirx.PrimFunc):
