@@ -108,7 +108,9 @@ def copy_gbps() -> float:
 STATISTICS_OPS = ("layer_norm", "bn_stats")  # the ops whose variance algorithm is a build option
 
 
-def run_case(case: dict, database, log, variance_algorithms=(), int64=False, spelled_out=False) -> list[dict]:
+def run_case(case: dict, database, log, variance_algorithms=(), int64=False, spelled_out=False,
+             wanted=None) -> list[dict]:
+    """Rows of one case; `wanted`: implementation names to keep (None: all)."""
     op, dtype, shape = case["op"], case["dtype"], case["shape"]
     mod = relax_module(op, shape, dtype)
     t0 = time.time()
@@ -124,6 +126,8 @@ def run_case(case: dict, database, log, variance_algorithms=(), int64=False, spe
         builders["tvm_dlight_spelled"] = lambda: tvm.compile(spelled_mod, target=tvm_ext.parse_target("cuda"))
     for algorithm in variance_algorithms if op in STATISTICS_OPS else ():
         builders[f"ours_{algorithm}"] = lambda a=algorithm: tvm_ext.build(mod, "cuda", variance=a)
+    keep = lambda name: wanted is None or name in wanted  # noqa: E731
+    builders = {name: builder for name, builder in builders.items() if keep(name)}
     built, failed = {}, {}
     for name, builder in builders.items():
         try:
@@ -159,7 +163,7 @@ def run_case(case: dict, database, log, variance_algorithms=(), int64=False, spe
         ref = impls["torch_eager"](*args)
         ref64 = torch_fn(op)(*[a.double() for a in args])
         nbytes = effective_bytes(op, conc, dtype)
-        point_impls = dict(impls)
+        point_impls = {name: fn for name, fn in impls.items() if keep(name)}
         if int64 and values:  # the same shape built static: what the symbolic build's host dispatch costs
             point_impls["ours_static"] = tvm_callable(tvm_ext.build(relax_module(op, conc, dtype), "cuda"))
         for impl, fn in point_impls.items():
@@ -196,6 +200,8 @@ def main(argv=None) -> int:
                     "(bench/spelled.py): ours, dlight, torch eager and torch.compile on that code")
     ap.add_argument("--int64", action="store_true", help="add ours_int64 rows: built without index narrowing "
                     "(and, for symbolic cases, ours_static rows: each point built with static shapes)")
+    ap.add_argument("--impls", default="", help="comma-separated implementations to time (default: all; "
+                    "a quick look, not a comparison to publish)")
     args = ap.parse_args(argv)
     torch._dynamo.config.recompile_limit = 64  # dynamic cases compile once per listed size
     if not torch.cuda.is_available() or not tvm.cuda(0).exist:
@@ -214,7 +220,7 @@ def main(argv=None) -> int:
     for case in tqdm(cases, desc="suite", file=sys.stdout):
         log(case["id"])
         result["rows"] += run_case(case, args.database, log, [a for a in args.variance.split(",") if a], args.int64,
-                                   args.spelled)
+                                   args.spelled, [i for i in args.impls.split(",") if i] or None)
         with open(stem + ".json", "w", encoding="utf-8") as f:  # after every case: a cut-off run keeps its rows
             json.dump(result, f, indent=1)
     print(write_reports(stem + ".json"))

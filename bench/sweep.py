@@ -31,12 +31,13 @@ from bench.suite import effective_bytes, input_shapes, load_suite, relax_module 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", required=True)
+    ap.add_argument("--suite", default="bench/suite.json", help="the suite file the case ids are from")
     ap.add_argument("--grid", required=True, help="JSON: knob name -> list of values; variants are the product")
     args = ap.parse_args(argv)
     grid = json.loads(args.grid)
     target = tvm_ext.parse_target("cuda")
     wanted = args.cases.split(",")
-    for case in [c for c in load_suite() if c["id"] in wanted]:
+    for case in [c for c in load_suite(args.suite) if c["id"] in wanted]:
         op, shape, dtype = case["op"], case["shape"], case["dtype"]
         mod = relax_module(op, shape, dtype)
         funcs = fused_reduce_functions(mod, target)

@@ -9,24 +9,42 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.target import Target
 
-from . import (block_row, column_reduce, conv2d, cpu_rows, few_row_matmul, gemv, grid_reduce, grid_sync, matmul,
+from . import (block_row, column_reduce, column_split, conv2d, cpu_rows, few_row_matmul, gemv, grid_reduce, grid_sync, matmul,
                warp_row, wgmma_matmul)
 from .analysis import ROW, const_int, match
 from .device import device_of
+from .rows import widest_lanes
 
 # Heuristic order: the first strategy whose default_knobs accepts the pattern wins.
-STRATEGIES = {s.NAME: s for s in (warp_row, grid_reduce, grid_sync, block_row, column_reduce, cpu_rows)}
+STRATEGIES = {s.NAME: s for s in (warp_row, grid_reduce, grid_sync, block_row, column_split, column_reduce, cpu_rows)}
 CONTRACTIONS = {s.NAME: s for s in (gemv, matmul, wgmma_matmul, conv2d)}  # GPU templates that take a whole PrimFunc
 
 
-# A symbolic row width gets one kernel per width class, chosen at run time (tvm_ext.relax.variants).
+# A symbolic row width gets one kernel per width class, chosen at run time (tvm_ext.relax.variants):
+# by the largest width a class serves, and, within each, widths a multiple of a 16-byte vector
+# (read and written as vectors, `vec` set by the input dtype) before the rest (`vec` 1).
 # No class stages its rows: TVM sizes a symbolic shared-memory stage by the whole tensor, not the
 # block's rows (the launch fails: "Failed to set the allowed dynamic shared memory size to ...").
 DYNAMIC_ROW_VARIANTS = [
-    (1024, {"strategy": "warp_row", "group": 32, "rows_per_block": 4, "vec": 1, "cache": False}),
-    (16384, {"strategy": "block_row", "threads": 256, "vec": 1, "cache": False}),
-    (None, {"strategy": "block_row", "threads": 1024, "vec": 1, "cache": False}),
+    (1024, {"strategy": "warp_row", "group": 32, "rows_per_block": 4, "cache": False}),
+    (16384, {"strategy": "block_row", "threads": 256, "cache": False}),
+    (None, {"strategy": "block_row", "threads": 1024, "cache": False}),
 ]
+
+
+def width_classes(pattern) -> list[tuple]:
+    """[(condition over the symbolic width, knobs)] of DYNAMIC_ROW_VARIANTS, each class split by
+    whether a vector divides the width; the last condition None."""
+    extent, lanes = pattern.reduce_extent, widest_lanes(pattern)
+    classes = []
+    for bound, knobs in DYNAMIC_ROW_VARIANTS:
+        within = None if bound is None else extent <= bound
+        if lanes > 1:
+            aligned = tirx.EQ(tirx.floormod(extent, lanes), tirx.const(0, str(extent.ty)))
+            classes.append((aligned if within is None else tirx.And(within, aligned),
+                            dict(knobs, vec=lanes, max_extent=bound)))
+        classes.append((within, dict(knobs, vec=1, max_extent=bound)))
+    return classes
 
 
 def plan(func: tirx.PrimFunc, target: Target) -> list[tuple]:
@@ -51,9 +69,8 @@ def _plan(func, target, build: bool) -> list[tuple]:
         return []
     extent = pattern.reduce_extent
     if device.is_gpu and pattern.layout == ROW and const_int(extent) is None:
-        variants = [(None if bound is None else extent <= bound, dict(knobs, max_extent=bound))
-                    for bound, knobs in DYNAMIC_ROW_VARIANTS]
-        return [(condition, knobs, schedule(func, target, knobs) if build else None) for condition, knobs in variants]
+        return [(condition, knobs, schedule(func, target, knobs) if build else None)
+                for condition, knobs in width_classes(pattern)]
     found = _first_applicable(func, pattern, device)
     return [(None, *found)] if found else []
 

@@ -31,14 +31,21 @@ HALF_TYPES = ("float16", "bfloat16")
 HALF_LANES = 8  # TVM's CUDA code generator has no type for a vector of more halves ("float16x16")
 
 
-def vector_lanes(pattern: ReducePattern) -> int:
-    """Widest vector (up to 16 bytes) that divides the row, so vector accesses need no tail."""
-    n = const_int(pattern.reduce_extent)
-    if n is None:
-        return 1
+def widest_lanes(pattern: ReducePattern) -> int:
+    """Lanes of a 16-byte vector of the narrowest input, whatever the row's width."""
     lanes = max(1, 16 // min((pattern.dtype_bytes(b) for b in pattern.input_buffers()), default=4))
     if any(str(p.ty.dtype) in HALF_TYPES for p in pattern.sch.mod["main"].params if hasattr(p, "ty")):
         lanes = min(lanes, HALF_LANES)  # a 1-byte input (a bool mask) beside a half tensor
+    return lanes
+
+
+def vector_lanes(pattern: ReducePattern) -> int:
+    """Widest vector (up to 16 bytes) that divides the row, so vector accesses need no tail; 1 for
+    a symbolic width (its width classes choose theirs: dispatch.DYNAMIC_ROW_VARIANTS)."""
+    n = const_int(pattern.reduce_extent)
+    if n is None:
+        return 1
+    lanes = widest_lanes(pattern)
     while lanes > 1 and n % lanes:
         lanes //= 2
     return lanes
@@ -144,9 +151,16 @@ def stage_scopes(pattern: ReducePattern, buffers: list, rows_per_block: int) -> 
 def _spread(sch: s_tir.Schedule, loops, threads: int, vec: int, vectorize: bool):
     """Fuse `loops` and spread them over threadIdx.x in chunks of `vec` adjacent elements.
 
-    Stores and copies vectorize the chunk; a reduction unrolls it. Returns the serial loop.
+    Stores and copies vectorize the chunk; a reduction unrolls it. Returns the serial loop. A
+    symbolic extent is split into chunks without a predicate: the kernel serves only widths that
+    are a multiple of `vec` (its width class's condition), so no chunk is partial.
     """
-    outer, tx, lane = sch.split(sch.fuse(*loops), [None, threads, vec])
+    fused = sch.fuse(*loops)
+    if vec > 1 and const_int(sch.get(fused).extent) is None:
+        rest, lane = sch.split(fused, [None, vec], disable_predication=True)
+        outer, tx = sch.split(rest, [None, threads])
+    else:
+        outer, tx, lane = sch.split(fused, [None, threads, vec])
     sch.reorder(tx, outer, lane)
     sch.bind(tx, "threadIdx.x")
     if vec > 1:

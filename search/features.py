@@ -47,6 +47,9 @@ def _launch(knobs: dict, rows: int, device: Device) -> tuple[int, int, int, int]
     if strategy == "column_reduce":
         cols, lanes = int(knobs["cols"]), int(knobs["lanes"])
         return cols * lanes, math.ceil(rows / cols), lanes, cols
+    if strategy == "column_split":
+        cols, lanes, splits = int(knobs["cols"]), int(knobs["lanes"]), int(knobs["splits"])
+        return cols * lanes, math.ceil(rows / cols) * splits, lanes * splits, cols
     return 1, max(1, rows // max(1, device.sm_count)), int(knobs.get("lanes", 1)), 1  # cpu_rows
 
 

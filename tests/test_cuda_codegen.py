@@ -20,11 +20,12 @@ KERNELS: dict = {}
 
 
 def expected_kernels(case) -> int:
-    """One per fused function, times the width classes when the row width is symbolic, times the
-    int32 and int64 versions when any dim is (tvm_ext/tir/narrowing.py)."""
+    """One per fused function, times the width classes when the row width is symbolic (each bound
+    twice: widths a vector divides, and the rest), times the int32 and int64 versions when any dim
+    is (tvm_ext/tir/narrowing.py)."""
     symbolic_width = isinstance(case["shape"][-1], str)
     symbolic = any(isinstance(d, str) for d in case["shape"])
-    return KERNELS.get(case["op"], 1) * (len(DYNAMIC_ROW_VARIANTS) if symbolic_width else 1) * (2 if symbolic else 1)
+    return KERNELS.get(case["op"], 1) * (2 * len(DYNAMIC_ROW_VARIANTS) if symbolic_width else 1) * (2 if symbolic else 1)
 _built = {}
 
 
@@ -71,14 +72,20 @@ def test_dynamic_rows_compile_to_an_int32_and_an_int64_kernel_with_symbolic_grid
 
 def test_symbolic_row_width_dispatches_between_variants_at_run_time():
     ex, src, _ = build_case(next(c for c in CASES if c["id"] == "sm-dyn-bxn-f16"))
-    assert tvm_ext.cuda_kernels(ex) == [f"softmax_v{i}{s}_kernel" for i in range(3) for s in ("_i32", "")]
+    assert tvm_ext.cuda_kernels(ex) == [f"softmax_v{i}{s}_kernel" for i in range(6) for s in ("_i32", "")]
     host = ex.as_text()
     calls = re.findall(r"call  (softmax\w*) ", host)
-    assert calls == [f"softmax_v{i}{s}" for i in range(3) for s in ("_i32", "")], "narrowest first, int32 first"
-    assert host.count("If    ") == 5, "two width branches, and an int32/int64 branch per width class"
-    v0 = re.search(r"softmax_v0_kernel\([^)]*\) \{(.*?)\n\}", src, re.S).group(1)
+    assert calls == [f"softmax_v{i}{s}" for i in range(6) for s in ("_i32", "")], "narrowest first, int32 first"
+    assert host.count("If    ") == 11, "five width branches, and an int32/int64 branch per width class"
+    kernel = lambda name: re.search(rf"{name}_kernel\([^)]*\) \{{(.*?)\n\}}", src, re.S).group(1)  # noqa: E731
+    v0 = kernel("softmax_v0")
     assert "threadIdx.y" in v0 and "__shfl_down_sync" in v0  # warp_row: a warp per row, rows along y
-    assert re.search(r"__launch_bounds__\(1024\) softmax_v2_kernel", src)  # block_row for unbounded widths
+    assert re.search(r"__launch_bounds__\(1024\) softmax_v4_kernel", src)  # block_row for unbounded widths
+    for vector, scalar in (("softmax_v0", "softmax_v1"), ("softmax_v2", "softmax_v3"), ("softmax_v4", "softmax_v5")):
+        # widths a multiple of 8 halves: vector stores of whole chunks (4 lanes in the epilogue's float32
+        # math: rows.MAX_EPILOGUE_LANES), no per-element tail test
+        assert re.search(r"\*\(half4\*\)\(compute_ptr \+", kernel(vector)), vector
+        assert "half4" not in kernel(scalar), scalar
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

@@ -4,7 +4,8 @@ import re
 import warnings
 
 import pytest
-from tvm import relax
+import tvm_ffi
+from tvm import relax, tirx
 
 from tvm_ext import schedules
 import tvm_ext
@@ -32,7 +33,11 @@ def plans(op, shape, dtype):
     ("row_sum", [4096, 1000], "float32", {"strategy": "warp_row"}),
     ("row_sum", [64, 131072], "float32", {"strategy": "grid_reduce", "blocks_per_row": 4, "threads": 1024}),
     ("full_sum", [268435456], "float32", {"strategy": "grid_reduce", "blocks_per_row": 264, "threads": 1024}),
-    ("col_sum", [131072, 1024], "float32", {"strategy": "column_reduce", "cols": 16, "lanes": 64}),
+    ("col_sum", [131072, 1024], "float32", {"strategy": "column_split", "cols": 32, "lanes": 16, "splits": 16}),
+    ("col_sum", [262144, 64], "float32", {"strategy": "column_split", "cols": 32, "lanes": 16, "splits": 264}),
+    ("col_sum", [1048576, 16], "float32", {"strategy": "column_split", "cols": 16, "lanes": 32, "splits": 528}),
+    ("col_sum", [4096, 65536], "float32", {"strategy": "column_reduce", "cols": 16, "lanes": 64}),  # 4096 blocks
+    ("col_sum", [512, 64], "float32", {"strategy": "column_reduce"}),  # too few rows to share
 ])
 def test_heuristic_choice(op, shape, dtype, expected):
     (plan,) = plans(op, shape, dtype).values()
@@ -56,10 +61,35 @@ def test_a_lone_mean_still_takes_the_grid():
     assert [k["strategy"] for _, k in plan] == ["grid_reduce"]
 
 
-def test_symbolic_width_plans_three_classes():
+def test_symbolic_width_plans_three_classes_each_with_a_vector_kernel():
     (plan,) = plans("softmax", [4096, "s"], "float16").values()
-    assert [str(cond) for cond, _ in plan] == ["s <= T.int64(1024)", "s <= T.int64(16384)", "None"]
-    assert [k["strategy"] for _, k in plan] == ["warp_row", "block_row", "block_row"]
+    assert [str(cond) for cond, _ in plan] == [
+        "s <= T.int64(1024) and s % T.int64(8) == T.int64(0)", "s <= T.int64(1024)",
+        "s <= T.int64(16384) and s % T.int64(8) == T.int64(0)", "s <= T.int64(16384)",
+        "s % T.int64(8) == T.int64(0)", "None"]
+    assert [k["strategy"] for _, k in plan] == ["warp_row"] * 2 + ["block_row"] * 4
+    assert [k["vec"] for _, k in plan] == [8, 1] * 3
+
+
+def test_vector_width_classes_follow_the_narrowest_input():
+    (plan,) = plans("softmax", ["b", "s"], "float32").values()
+    assert [k["vec"] for _, k in plan] == [4, 1] * 3  # 16 bytes of float32
+    (plan,) = plans("layer_norm", ["b", "s"], "bfloat16").values()
+    assert [k["vec"] for _, k in plan] == [8, 1] * 3
+
+
+def test_a_symbolic_width_is_split_into_whole_vectors_without_a_tail_test():
+    # the vector class serves only widths that are a multiple of 8: no chunk is partial, so its lane
+    # loop carries no predicate and its stores vectorize
+    (func,) = fused_reduce_functions(relax_module("softmax", [4096, "s"], "float16"), TARGET).values()
+    (_, knobs, vector), (_, _, scalar) = schedules.scheduled(func, TARGET)[:2]
+    assert knobs["vec"] == 8
+    vector_text, scalar_text = vector.mod["main"].script(), scalar.mod["main"].script()
+    assert "T.vectorized(" in vector_text and "T.vectorized" not in scalar_text
+    wheres = re.findall(r"T\.where\((.*)\)", vector_text)
+    assert wheres and all(re.search(r"< \(s \+ T\.int64\(\d+\)\) // T\.int64\(\d+\)$", w) for w in wheres), \
+        "the vector class tests whole chunks against the width, never an element"
+    assert re.findall(r"T\.where\(.* < s\)", scalar_text)  # the scalar class tests each element
 
 
 def test_grid_reduce_is_one_kernel_with_an_atomic_ticket_and_zeroed_state():
@@ -74,6 +104,29 @@ def test_grid_reduce_is_one_kernel_with_an_atomic_ticket_and_zeroed_state():
     assert "__shfl_down_sync" in body
     host = ex.as_text()
     assert host.count("call  sum_v0 ") == 1 and "c[" in host.split("call  sum_v0 ")[1].splitlines()[0]
+
+
+@pytest.mark.parametrize("shape, dtype, blocks", [([262144, 64], "float32", 2 * 256), ([100000, 100], "float32", 4 * 131),
+                                                   ([65536, 256], "float16", 8 * 64)])
+def test_column_split_is_one_kernel_of_column_tiles_times_row_splits_with_a_ticket(shape, dtype, blocks):
+    ex = tvm_ext.build(relax_module("col_sum", shape, dtype), CUDA_TARGET)
+    (name,) = tvm_ext.cuda_kernels(ex)
+    body = re.search(rf"{name}\([^)]*\) \{{(.*?)\n\}}", tvm_ext.cuda_source(ex), re.S).group(1)
+    fence, barrier, ticket = (body.index("__threadfence();"), body.index("__syncthreads();", body.index("__threadfence();")),
+                              body.index("atomicAdd((&(cs_counter_ptr["))
+    assert fence < barrier < ticket, "every column's partial is visible before the block draws its ticket"
+    assert "__ldcg((&(cs_partials_ptr[" in body, "the last block reads the other blocks' partials past L1"
+    assert re.search(r"cs_counter_ptr\[[^]]*\] = 0;", body), "the last block leaves its counter zeroed"
+    assert "threadIdx.y" in body  # lanes over rows within a block
+    host = ex.as_text()
+    assert host.count(f"call  {name.removesuffix('_kernel')} ") == 1
+    (func,) = fused_reduce_functions(relax_module("col_sum", shape, dtype), TARGET).values()
+    (_, knobs, sch), = schedules.scheduled(func, TARGET)
+    loops = []
+    tvm_ffi.structural_walk(sch.mod["main"].body, (tirx.For, loops.append), order="pre")
+    extents = [int(loop.extent) for loop in loops
+               if loop.thread_binding is not None and loop.thread_binding.thread_tag == "blockIdx.x"]
+    assert knobs["strategy"] == "column_split" and set(extents) == {blocks}
 
 
 def test_grid_reduce_leaves_full_row_epilogues_to_grid_sync():

@@ -12,7 +12,7 @@ from tvm.runtime.vm import VirtualMachine
 from tvm_ext import schedules
 import tvm_ext
 from bench.suite import relax_module
-from tvm_ext.schedules import (block_row, column_reduce, conv2d, cpu_rows, elementwise, grid_reduce, grid_sync, matmul,
+from tvm_ext.schedules import (block_row, column_reduce, column_split, conv2d, cpu_rows, elementwise, grid_reduce, grid_sync, matmul,
                        warp_row, wgmma_matmul)
 from tvm_ext import fallback, pipeline
 from tvm_ext import tir as passes
@@ -146,7 +146,8 @@ TEMPLATES = [
     (block_row, "apply", ("layer_norm", [64, 8192], "float16"), SM90A),
     (grid_reduce, "apply", ("row_sum", [64, 131072], "float32"), SM90A),
     (grid_sync, "apply", ("rms_norm", [16, 262144], "bfloat16"), SM90A),
-    (column_reduce, "apply", ("col_sum", [4096, 1024], "float32"), SM90A),
+    (column_reduce, "apply", ("col_sum", [512, 65536], "float32"), SM90A),
+    (column_split, "apply", ("col_sum", [262144, 64], "float32"), SM90A),
     (wgmma_matmul, "_apply", "layers", SM90A),
     (matmul, "apply", "layers", SM80),
     (conv2d, "apply", "resnet", SM80),

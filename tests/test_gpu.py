@@ -59,6 +59,27 @@ def test_odd_widths_on_gpu(op, dtype, width, rng):
     assert_close(outs, refs, dtype)
 
 
+@pytest.mark.parametrize("op, dtype", [("softmax", "float16"), ("rms_norm", "bfloat16"), ("layer_norm", "float32")])
+@pytest.mark.parametrize("width", [64, 1000, 1003, 2560, 16384, 16392, 20001])  # each side of each class bound
+def test_symbolic_width_vector_classes_on_gpu(op, dtype, width, rng):
+    # widths a multiple of a 16-byte vector take the vector kernels, the others the scalar ones
+    executable = tvm_ext.build(relax_module(op, ["b", "s"], dtype), "cuda")
+    outs, refs = run_case(executable, tvm.cuda(0), op, [5, width], dtype, rng)
+    assert_close(outs, refs, dtype)
+
+
+@pytest.mark.parametrize("op, shape, dtype", [
+    ("col_sum", [262147, 64], "float32"), ("col_sum", [100000, 100], "float32"), ("col_sum", [65536, 256], "float16"),
+    ("col_sum", [131072, 1024], "float32"), ("col_sum", [1048576, 16], "float32")])
+def test_column_split_on_gpu_three_calls_in_a_row(op, shape, dtype, rng):
+    # rows split over blocks: a wrong ticket or counter reset shows on the second and third calls
+    executable = tvm_ext.build(relax_module(op, shape, dtype), "cuda")
+    assert "cs_counter" in tvm_ext.cuda_source(executable)
+    for _ in range(3):
+        outs, refs = run_case(executable, tvm.cuda(0), op, shape, dtype, rng)
+        assert_close(outs, refs, dtype)
+
+
 @pytest.mark.parametrize("shape", [[2, 4, 100, 100], [2, 4, 50, 128], [2, 2, 2, 100, 100]])
 def test_rows_over_several_axes_whose_blocks_would_cross_a_head_on_gpu(shape, rng):
     executable = tvm_ext.build(relax_module("softmax", shape, "float16"), "cuda")
