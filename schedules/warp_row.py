@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from .analysis import ROW, ReducePattern, const_int
 from .device import Device
-from .rows import row_bytes, rows_fit, schedule_rows, vector_choices, vector_lanes, worth_caching
+from .rows import let_bound, row_bytes, rows_fit, schedule_rows, vector_choices, vector_lanes, worth_caching
 
 NAME = "warp_row"
 MAX_ROW_BYTES = 4096  # longer rows go to block_row
 BLOCK_THREADS = 128
+LET_BOUND_BLOCK_THREADS = 64
 
 
 def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
@@ -24,9 +25,16 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
         return None
     vec = vector_lanes(pattern)
     fits = [g for g in (32, 16, 8, 4, 2) if g <= device.warp and g * vec <= n]  # every lane gets a vector
+    threads = BLOCK_THREADS
+    if let_bound(pattern):
+        # each shuffle level merges a state of several values (Welford's): two vectors or more a
+        # lane, and smaller blocks; LayerNorm over 128-1024 columns, 0-13% faster (sweep on the
+        # H200: bench/results/h200-2026-11-27-sweep-short-and-long-rows.log)
+        fits = [g for g in fits if 2 * g * vec <= n] or fits
+        threads = LET_BOUND_BLOCK_THREADS
     exact = [g for g in fits if g >= 8 and n % (g * vec) == 0]  # no tail chunk (see rows.py)
     group = (exact or fits or [2])[0]
-    rows = BLOCK_THREADS // group
+    rows = max(1, threads // group)
     while not rows_fit(pattern, rows):
         rows //= 2
     return {"strategy": NAME, "group": group, "rows_per_block": rows, "vec": vec,

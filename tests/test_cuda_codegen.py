@@ -223,6 +223,37 @@ def test_a_column_sum_with_an_epilogue_is_right_on_the_gpu(knobs, rng):
     np.testing.assert_allclose(args[2].numpy(), x.astype("float64").sum(0) + bias, rtol=1e-5, atol=1e-5)
 
 
+SPLIT_KNOBS = {"strategy": "column_split", "cols": 32, "lanes": 8, "splits": 4}
+
+
+def test_a_column_split_sum_with_an_epilogue_adds_the_bias_once_in_the_last_block():
+    # 1000 rows in 4 splits of whole steps, 16 x 512 columns as 256 tiles of 32: the epilogue's
+    # two spatial dims come from the flat column, and only the tile's last block writes them
+    lib = _column_sum_then_bias(1000, SPLIT_KNOBS)
+    src = lib.mod.imports[0].inspect_source()
+    body = src.split("atomicAdd", 1)[1]
+    assert "bias_ptr[" in body and "bias_ptr[" not in src.split("atomicAdd", 1)[0].split("__global__")[-1]
+    assert re.search(r"if \(\(\(\(int\)threadIdx.y\) == 0\) && \(last_ptr\[0\] == 1\)\)", body)
+    if shutil.which("nvcc"):
+        with tvm_ext.parse_target(CUDA_TARGET):
+            assert bytes(nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")[:4]) == b"\x7fELF"
+
+
+@pytest.mark.gpu
+def test_a_column_split_sum_with_an_epilogue_is_right_on_the_gpu_twice(rng):
+    import numpy as np  # noqa: PLC0415
+
+    func = _column_sum_then_bias(1000, SPLIT_KNOBS)["main"]
+    state = [tvm.runtime.tensor(np.zeros(256, "int32"), tvm.cuda()),  # a counter per tile, 4 x 32 partials each
+             tvm.runtime.tensor(np.zeros(256 * 4 * 32, "float32"), tvm.cuda())]
+    for _ in range(2):  # the second call must find every ticket counter reset by the first
+        x, bias = rng.standard_normal((1000, 16, 512)).astype("float32"), rng.standard_normal(512).astype("float32")
+        args = [tvm.runtime.tensor(v, tvm.cuda()) for v in (x, bias)]
+        out = tvm.runtime.empty((16, 512), "float32", tvm.cuda())
+        func(args[0], args[1], *state, out)
+        np.testing.assert_allclose(out.numpy(), x.astype("float64").sum(0) + bias, rtol=1e-4, atol=1e-3)
+
+
 def masked_row_guard(rows=16, width=32):
     """softmax(x), with rows whose every score is -inf set to 0: how TVM imports PyTorch's SDPA."""
     from tvm import relax  # noqa: PLC0415

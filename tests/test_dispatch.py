@@ -25,7 +25,11 @@ def plans(op, shape, dtype):
 
 
 @pytest.mark.parametrize("op, shape, dtype, expected", [
-    ("layer_norm", [16384, 384], "float16", {"strategy": "warp_row", "group": 16, "cache": True}),  # 3 whole chunks
+    ("layer_norm", [16384, 384], "float16", {"strategy": "warp_row", "group": 16, "rows_per_block": 4, "cache": True}),
+    # Welford's state: two vectors or more a lane, 64-thread blocks; softmax keeps a vector a lane, 128 threads
+    ("layer_norm", [65536, 256], "float16", {"strategy": "warp_row", "group": 16, "rows_per_block": 4}),
+    ("layer_norm", [131072, 128], "float16", {"strategy": "warp_row", "group": 8, "rows_per_block": 8}),
+    ("softmax", [65536, 256], "float16", {"strategy": "warp_row", "group": 32, "rows_per_block": 4}),
     ("softmax", [49152, 1024], "float16", {"strategy": "warp_row", "group": 32, "cache": True}),
     ("layer_norm", [8192, 4096], "float16", {"strategy": "block_row", "threads": 128, "cache": True}),
     ("softmax", [2048, 32768], "float16", {"strategy": "block_row", "threads": 1024, "cache": True}),
