@@ -1,6 +1,7 @@
 """Time the suite on this GPU: ours, PyTorch eager, torch.compile, TVM dlight defaults, and a copy.
 
     python -m bench.run --suite bench/suite.json --out bench/results/ [--cases ln-,rms-] [--database LOG]
+        [--impls ours,torch_compile]  (a quick look: only those implementations)
 
 Every implementation runs in this one process on the same inputs; each time is the median of
 `triton.testing.do_bench` (which flushes L2 between calls). Writes <gpu>-<date>[-tag].json, a
