@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from .analysis import ROW, ReducePattern, const_int
 from .device import Device
-from .rows import (cached_inputs, estimated_registers, let_bound, row_bytes, schedule_rows, vector_choices,
-                   vector_lanes, worth_caching)
+from .rows import (cached_inputs, estimated_registers, let_bound, row_bytes, schedule_rows, unaligned_vectors,
+                   vector_choices, vector_lanes, worth_caching)
 
 NAME = "block_row"
 BYTES_PER_THREAD = 64  # four 16-byte loads in flight per thread: best or near it in bench.sweep
@@ -73,6 +73,8 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict):
     threads = int(knobs["threads"])
     if not device.is_gpu or pattern.layout != ROW or threads > device.max_threads or threads % device.warp:
         return None
+    if unaligned_vectors(pattern, knobs):
+        return None  # vectors over a width they may not divide: no tail chunk is tested
     if knobs.get("cache") and const_int(pattern.reduce_extent) is None:
         return None  # TVM sizes a symbolic stage by the whole tensor (see dispatch.DYNAMIC_ROW_VARIANTS)
     return schedule_rows(pattern, threads, 1, int(knobs.get("vec", 1)), bool(knobs.get("cache")),

@@ -194,6 +194,13 @@ def _wide_reads(sch: s_tir.Schedule, reduction, outer, buffers) -> None:
             sch.vectorize(chunk)
 
 
+def unaligned_vectors(pattern: ReducePattern, knobs: dict) -> bool:
+    """Whether `knobs` take vectors over a symbolic width without a width class's promise that
+    the vector divides it (`max_extent`, set by dispatch.width_classes with that condition)."""
+    vectors = max(int(knobs.get("vec", 1)), int(knobs.get("reduce_vec") or 1)) > 1
+    return vectors and const_int(pattern.reduce_extent) is None and "max_extent" not in knobs
+
+
 def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec: int, cache: bool,
                   reduce_vec: int | None = None):
     """The chain of `pattern` with rows along blockIdx.x/threadIdx.y, lanes along threadIdx.x.

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from .analysis import ROW, ReducePattern, const_int
 from .device import Device
-from .rows import let_bound, row_bytes, rows_fit, schedule_rows, vector_choices, vector_lanes, worth_caching
+from .rows import (let_bound, row_bytes, rows_fit, schedule_rows, unaligned_vectors, vector_choices, vector_lanes,
+                   worth_caching)
 
 NAME = "warp_row"
 MAX_ROW_BYTES = 4096  # longer rows go to block_row
@@ -59,6 +60,8 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict):
     width = const_int(pattern.reduce_extent) or knobs.get("max_extent")
     if not device.is_gpu or pattern.layout != ROW or width is None:
         return None  # the row width must be known, or bounded by the variant's condition
+    if unaligned_vectors(pattern, knobs):
+        return None  # vectors over a width they may not divide: no tail chunk is tested
     if not 2 <= group <= device.warp or group & (group - 1) or group * rows > device.max_threads:
         return None
     return schedule_rows(pattern, group, rows, int(knobs.get("vec", 1)), bool(knobs.get("cache")),

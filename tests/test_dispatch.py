@@ -96,6 +96,16 @@ def test_a_symbolic_width_is_split_into_whole_vectors_without_a_tail_test():
     assert re.findall(r"T\.where\(.* < s\)", scalar_text)  # the scalar class tests each element
 
 
+@pytest.mark.parametrize("knobs", [{"strategy": "block_row", "threads": 256, "vec": 8, "cache": False},
+                                   {"strategy": "warp_row", "group": 32, "rows_per_block": 4, "vec": 1, "reduce_vec": 8,
+                                    "cache": False}])
+def test_vectors_over_a_symbolic_width_need_a_width_class(knobs):
+    # only a width class's condition (s % 8 == 0) makes a vector without a tail test correct
+    (func,) = fused_reduce_functions(relax_module("softmax", [4096, "s"], "float16"), TARGET).values()
+    assert schedules.schedule(func, TARGET, knobs) is None
+    assert schedules.schedule(func, TARGET, {**knobs, "max_extent": 1024}) is not None
+
+
 def test_grid_reduce_is_one_kernel_with_an_atomic_ticket_and_zeroed_state():
     ex = tvm_ext.build(relax_module("full_sum", [268435456], "float32"), CUDA_TARGET)
     src = tvm_ext.cuda_source(ex)
