@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--builders", type=int, default=None, help="parallel build processes (default min(8, CPUs))")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a candidate may take to build or run")
     ap.add_argument("--batch", type=int, default=8, help="candidates measured per round")
+    ap.add_argument("--variance", choices=["welford", "tuned"], default="welford",
+                    help="tuned: tune each statistic (LayerNorm, variance, ...) with Welford and with two passes, for "
+                         'a build with variance="tuned" to take the faster (default: welford)')
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminated)  # what timeout, Slurm and Kubernetes send: stop as on Ctrl-C
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C stops it even where it started with SIGINT
@@ -121,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         target = measuring_target(args.target)
         check_log(args.log, args.resume)  # before the model loads: a log that cannot take records stops here
         reports = tune_model(load_model(args.model), target, args.trials, args.log, args.resume,
-                             args.warm_start, parse_dims(args.dims), args.builders, args.timeout, args.batch)
+                             args.warm_start, parse_dims(args.dims), args.builders, args.timeout, args.batch,
+                             variance=args.variance)
     except (ValueError, OSError) as err:
         print(f"{_prog()}: {err}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ from tvm.target import Target
 
 from tvm_ext.schedules.analysis import is_reduce_subgraph
 from tvm_ext.schedules import contraction_template
-from tvm_ext.pipeline import fused_module
+from tvm_ext.pipeline import fused_variants
 from tvm_ext.records import task_key
 from tvm_ext.relax.bindings import CALL_TIR
 from tvm_ext.target import parse_target
@@ -44,20 +44,23 @@ def _call_counts(mod: tvm.IRModule) -> dict:
 
 def extract_tasks(mods, target, **options) -> list[Task]:
     """The tasks of `mods` (one IRModule or a list of them, e.g. a suite) on `target`, heaviest
-    first (then by name)."""
+    first (then by name); with `variance="tuned"`, the functions of every variant the build
+    chooses among (pipeline.fused_variants)."""
     target = target if isinstance(target, Target) else parse_target(target)
     gpu = "gpu" in target.keys  # where matmuls and convolutions are ours too (GPU templates)
     tasks: dict = {}
     for mod in mods if isinstance(mods, (list, tuple)) else [mods]:
-        fused = fused_module(mod, target, **options)
-        counts = _call_counts(fused)
-        for gv, func in sorted(fused.functions_items(), key=lambda item: item[0].name_hint):
-            if not isinstance(func, tirx.PrimFunc):
-                continue
-            if not (is_reduce_subgraph(func) or gpu and contraction_template(func, target) is not None):
-                continue
-            key = task_key(func, target)
-            first = tasks.get(key)
-            weight = counts.get(gv.name_hint, 0) + (first.weight if first else 0)
-            tasks[key] = Task(first.name if first else gv.name_hint, key, first.func if first else func, weight)
+        counted = set()  # keys whose call sites in `mod` are counted (in its first variant that has them)
+        for fused in fused_variants(mod, target, **options):
+            counts = _call_counts(fused)
+            for gv, func in sorted(fused.functions_items(), key=lambda item: item[0].name_hint):
+                if not isinstance(func, tirx.PrimFunc):
+                    continue
+                if not (is_reduce_subgraph(func) or gpu and contraction_template(func, target) is not None):
+                    continue
+                key = task_key(func, target)
+                first = tasks.get(key)
+                weight = (0 if key in counted else counts.get(gv.name_hint, 0)) + (first.weight if first else 0)
+                counted.add(key)
+                tasks[key] = Task(first.name if first else gv.name_hint, key, first.func if first else func, weight)
     return sorted(tasks.values(), key=lambda t: (-t.weight, t.name))

@@ -82,13 +82,16 @@ def _open_log(log: str, resume: bool) -> list[dict]:
 
 def tune_model(mod, target, trials: int, log: str, resume: bool = False, warm_start=(), dims=None,
                builders: int | None = None, timeout: float = 60.0, batch: int = 8, patience: int = 3,
-               seed: int = 0, progress: bool = True) -> list[TaskReport]:
-    """Tune every task of `mod` (or of a list of modules) with at most `trials` measurements in all."""
+               seed: int = 0, progress: bool = True, variance: str = "welford") -> list[TaskReport]:
+    """Tune every task of `mod` (or of a list of modules) with at most `trials` measurements in all.
+
+    `variance`: the build option the log is for; "tuned" tunes the statistics of each variant
+    (Welford and two-pass), so that a build with `variance="tuned"` takes the faster."""
     if trials < 0:
         raise ValueError(f"trials must be >= 0, not {trials}")
     check_log(log, resume)
     target = parse_target(target)
-    tasks = extract_tasks(mod, target)
+    tasks = extract_tasks(mod, target, variance=variance)
     if not tasks:
         raise ValueError("the model has no fused reduce subgraph for tvm_ext to tune")
     logged = _open_log(log, resume)

@@ -9,6 +9,7 @@ import os
 import warnings
 
 import tvm
+import tvm_ffi
 from tvm import relax, s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.target import Target
@@ -40,6 +41,10 @@ from .relax.variants import rewrite_call_sites
 PIPELINE = "tvm_ext"
 SCHEDULED = "tirx.is_scheduled"
 OPTIONS = ("variance", "narrow_index")  # build options this pipeline understands
+# variance="tuned": each fused function's statistics by whichever of these algorithms its tuning
+# records found faster (Welford where they do not say); the one-pass algorithm cancels, so never it
+TUNED = "tuned"
+TUNED_AMONG = ("welford", "two_pass")
 
 
 @tvm.transform.module_pass(opt_level=0, name="TVMExtScheduleReductions")
@@ -196,9 +201,44 @@ def fused_passes(target, **options) -> list:
 
 
 def fused_module(mod: tvm.IRModule, target, **options) -> tvm.IRModule:
-    """`mod` legalized and fused as the pipeline does it, before any scheduling."""
+    """`mod` legalized and fused as the pipeline does it, before any scheduling (with
+    `variance="tuned"`, the Welford variant: see fused_variants)."""
+    if options.get("variance") == TUNED:
+        options = {**options, "variance": TUNED_AMONG[0]}
     with target:
         return tvm.transform.Sequential(fused_passes(target, **options))(mod)
+
+
+def fused_variants(mod: tvm.IRModule, target, **options) -> list:
+    """The fused modules a build chooses among: `mod` fused once, or with `variance="tuned"` once
+    per algorithm of TUNED_AMONG (Welford's first), whose tasks the tuner measures alike."""
+    if options.get("variance") != TUNED:
+        return [fused_module(mod, target, **options)]
+    return [fused_module(mod, target, **{**options, "variance": algorithm}) for algorithm in TUNED_AMONG]
+
+
+def _signature(func: tirx.PrimFunc) -> list:
+    """Each parameter's (shape, dtype), or type for a scalar."""
+    return [(list(p.shape), str(p.ty.dtype)) if hasattr(p, "shape") else str(p.ty) for p in func.params]
+
+
+def choose_variants(variants: list, target: Target, database: Database) -> tvm.IRModule:
+    """The first of `variants` (fused modules of one model), each of its functions replaced by
+    another variant's function of the same name and signature whose tuning record is faster. A
+    function without a record in every variant keeps the first's (Welford, the default)."""
+    chosen, *others = variants  # fresh modules of this build: updated in place
+    for gv, func in list(chosen.functions_items()):
+        best = database.latency(func, target) if isinstance(func, tirx.PrimFunc) else None
+        for other in others:
+            alt = other[gv.name_hint] if any(g.name_hint == gv.name_hint for g in other.get_global_vars()) else None
+            if best is None or not isinstance(alt, tirx.PrimFunc) \
+                    or not tvm_ffi.structural_equal(_signature(alt), _signature(func), map_free_vars=True):
+                continue
+            us = database.latency(alt, target)
+            if us is not None and us < best:
+                chosen.update_func(gv, alt)
+                best = us
+    return chosen
 
 
 def fused_reduce_functions(mod: tvm.IRModule, target, **options) -> dict:
@@ -254,7 +294,11 @@ def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **opt
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ValueError(f"unknown tvm_ext build option(s) {unknown}; known: {list(OPTIONS)}")
-    legalizations(options.get("variance", "welford"))  # a bad option value fails here, before any work
+    variance = options.get("variance", "welford")
+    if variance == TUNED and database is None:
+        raise ValueError('variance="tuned" picks each statistic\'s algorithm by its tuning records: pass a database '
+                         "(a log written by scripts/tune.py --variance tuned)")
+    legalizations(TUNED_AMONG[0] if variance == TUNED else variance)  # a bad option value fails here, before any work
     narrow = options.get("narrow_index", True)
     if not isinstance(narrow, bool):
         raise ValueError(f"narrow_index must be True or False, not {narrow!r}")
@@ -267,7 +311,12 @@ def tvm_ext_pipeline(database: str | os.PathLike | Database | None = None, **opt
         if target is None:
             raise ValueError("the tvm_ext pipeline needs a target: run it inside `with target:` or via tvm_ext.build")
         fallback.new_build()
-        passes = fused_passes(target, **options) + [
+        if options.get("variance") == TUNED:
+            mod = choose_variants(fused_variants(mod, target, **options), target, database)
+            fused = []
+        else:
+            fused = fused_passes(target, **options)
+        passes = fused + [
             # relax.pipeline.dataflow_lower_passes(llvm) raises in 0.27; these are its passes, with
             # scheduling moved after ToNonDataflow so that kernel variants can be chosen by an `if`
             relax.transform.RewriteDataflowReshape(),

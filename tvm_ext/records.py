@@ -155,6 +155,11 @@ class Database:
         self.taken.add(key)
         return dict(knobs)
 
+    def latency(self, func: tirx.PrimFunc, target: Target) -> float | None:
+        """The best logged latency of `func` on `target` in us, or None when it has no record."""
+        best = self.best.get(task_key(func, target))
+        return None if best is None else best[0]
+
     def warn_if_unmatched(self) -> None:
         """One warning when no task looked up took a record (and warn_if_foreign did not already
         say why): the log was tuned for another model or shape."""
