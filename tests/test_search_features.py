@@ -50,3 +50,13 @@ def test_gemv_candidates_have_features_that_follow_their_knobs():
     row = {tuple(p[k] for k in ("rows", "warps", "split", "unroll")): r for p, r in zip(points, x)}
     assert row[(2, 4, 4, 4)][col["log2_lanes_per_row"]] == row[(2, 4, 1, 4)][col["log2_lanes_per_row"]] + 2
     assert row[(2, 4, 4, 8)][col["pipeline_stages"]] == 8 and row[(4, 4, 4, 4)][col["log2_blocks"]] == 10  # 4096 / 4
+
+
+def test_column_split_candidates_count_their_splits_as_blocks_and_lanes():
+    points, x = table("col_sum", [262144, 64], "float32")
+    col = {name: i for i, name in enumerate(NAMES)}
+    split = {(p["cols"], p["lanes"], p["splits"]): row for p, row in zip(points, x) if p["strategy"] == "column_split"}
+    assert split and all(row[col["is_column_split"]] == 1 for row in split.values())
+    two, eight = split[(32, 16, 2)], split[(32, 16, 8)]
+    assert eight[col["log2_blocks"]] == two[col["log2_blocks"]] + 2  # 2 column tiles x splits
+    assert eight[col["log2_lanes_per_row"]] == two[col["log2_lanes_per_row"]] + 2  # a column's rows over lanes x splits
