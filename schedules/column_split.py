@@ -66,16 +66,18 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
 
 def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
     """Every valid point where the heuristic splits rows: 8..32 columns, 8..64 lanes, 2..256 splits
-    (powers of two and the heuristic's)."""
+    (powers of two and the heuristic's), and the heuristic's point where it lies outside that grid
+    (fewer than 8 columns)."""
     chosen = default_knobs(pattern, device)
     if chosen is None:
         return []
     columns, rows = _sizes(pattern)
-    return [{"strategy": NAME, "cols": cols, "lanes": lanes, "splits": splits}
+    grid = [{"strategy": NAME, "cols": cols, "lanes": lanes, "splits": splits}
             for cols in (8, 16, 32) for lanes in (8, 16, 32, 64) if cols * lanes <= device.max_threads
             for splits in sorted({2, 4, 8, 16, 32, 64, 128, 256, chosen["splits"]})
             if -(-columns // cols) * splits <= 4 * device.sm_count * device.resident_blocks(cols * lanes)
             and rows >= splits * lanes * UNROLL]
+    return grid if chosen in grid else [chosen, *grid]
 
 
 def _template(func, tiles, splits, cols, lanes, steps, acc_dtype, combine, identity) -> str:

@@ -14,7 +14,7 @@ from tvm_ext.tir import check_builds
 
 CASES = [("layer_norm", [8192, 4096], "float16"), ("softmax", [4096, 1000], "float16"),
          ("row_sum", [64, 131072], "float32"), ("col_sum", [4096, 1024], "float32"),
-         ("col_sum", [262144, 64], "float32"), ("col_sum", [512, 4096], "float32"),
+         ("col_sum", [262144, 64], "float32"), ("col_sum", [512, 4096], "float32"), ("col_sum", [1048576, 4], "float32"),
          ("rms_norm", [16, 262144], "bfloat16"), ("rms_norm", [37, 32768], "bfloat16"),
          ("full_sum", [268435456], "float32"), ("bn_stats", [32, 64, 28, 28], "float32")]
 
