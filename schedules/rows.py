@@ -83,6 +83,15 @@ def estimated_registers(pattern: ReducePattern) -> int:
     return 32 if len(reads) <= 3 else 40
 
 
+def normalises(pattern: ReducePattern) -> bool:
+    """Whether the chain is a normalisation by a row's mean and variance: a reduction of a state of
+    several values (Welford's), or an epilogue of five reads or more (LayerNorm spelled out: x, the
+    two sums, weight, bias; softmax reads three, four with a mask, RMSNorm three)."""
+    if let_bound(pattern):
+        return True
+    return pattern.epilogue is not None and len(pattern.sch.get(pattern.epilogue.block_rv).reads) >= 5
+
+
 def rows_fit(pattern: ReducePattern, rows_per_block: int) -> bool:
     """Whether a block can take `rows_per_block` rows. Over three or more spatial axes, a block
     whose rows cross the innermost one (rows of 100 per head, 8 per block) gets from TVM's

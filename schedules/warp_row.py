@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .analysis import ROW, ReducePattern, const_int
 from .device import Device
-from .rows import (let_bound, row_bytes, rows_fit, schedule_rows, unaligned_vectors, vector_choices, vector_lanes,
+from .rows import (normalises, row_bytes, rows_fit, schedule_rows, unaligned_vectors, vector_choices, vector_lanes,
                    worth_caching)
 
 NAME = "warp_row"
@@ -27,10 +27,10 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
     vec = vector_lanes(pattern)
     fits = [g for g in (32, 16, 8, 4, 2) if g <= device.warp and g * vec <= n]  # every lane gets a vector
     threads = BLOCK_THREADS
-    if let_bound(pattern):
-        # each shuffle level merges a state of several values (Welford's): two vectors or more a
-        # lane, and smaller blocks; LayerNorm over 128-1024 columns, 0-13% faster (sweep on the
-        # H200: bench/results/h200-2026-11-27-sweep-short-and-long-rows.log)
+    if normalises(pattern):
+        # LayerNorm: two vectors or more a lane and smaller blocks; over 128-1024 columns 0-13%
+        # faster (a sweep of the Welford form on the H200: h200-2026-11-27-sweep-short-and-long-rows.log);
+        # the form spelled out follows, so that it keeps the op's schedule
         fits = [g for g in fits if 2 * g * vec <= n] or fits
         threads = LET_BOUND_BLOCK_THREADS
     exact = [g for g in fits if g >= 8 and n % (g * vec) == 0]  # no tail chunk (see rows.py)
