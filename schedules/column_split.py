@@ -16,7 +16,7 @@ from tvm import s_tir, tirx
 from .analysis import COLUMN, ReducePattern, const_int
 from .contracts import ZEROED_INPUTS
 from .device import Device
-from .grid_reduce import COMBINERS, buffer_decl, combiner_parts, copy_attrs, map_vars, placeholder
+from .grid_reduce import COMBINERS, buffer_decl, combiner_parts, copy_attrs, map_vars, placeholder, unflatten
 
 NAME = "column_split"
 UNROLL = 8  # rows a lane has in flight: its loads do not depend on each other
@@ -159,16 +159,6 @@ def column_split({", ".join(params)}):
                         if vc == T.int64(0):
                             cs_counter[vb // {G}] = 0
 '''
-
-
-def unflatten(iter_vars, flat) -> dict:
-    """Map `iter_vars` (row-major, static extents) to the position `flat` of their flattened space."""
-    mapping, rest = {}, flat
-    for iv in reversed(list(iter_vars)[1:]):
-        mapping[iv.var], rest = rest % int(iv.dom.extent), rest // int(iv.dom.extent)
-    if iter_vars:
-        mapping[iter_vars[0].var] = rest
-    return mapping
 
 
 def apply(pattern: ReducePattern, device: Device, knobs: dict) -> s_tir.Schedule | None:

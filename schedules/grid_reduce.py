@@ -159,16 +159,21 @@ def map_vars(expr, mapping):
     return tvm_ffi.structural_map(expr, [(tirx.Var, var), (tvm.ir.TensorLoad, load)])
 
 
+def unflatten(iter_vars, flat) -> dict:
+    """Map `iter_vars` (row-major, static extents) to the position `flat` of their flattened space."""
+    mapping, rest = {}, flat
+    for iv in reversed(list(iter_vars)[1:]):
+        mapping[iv.var], rest = rest % int(iv.dom.extent), rest // int(iv.dom.extent)
+    if iter_vars:
+        mapping[iter_vars[0].var] = rest
+    return mapping
+
+
 def row_element_vars(block, row, k) -> dict:
     """Map a [row, reduce...] block's iter vars to row `row` and flat position `k` in the row (a
     block over rows alone takes the row only)."""
     first, *rest_vars = block.iter_vars
-    mapping, rest = {first.var: row}, k
-    for iv in reversed(rest_vars[1:]):
-        mapping[iv.var], rest = rest % int(iv.dom.extent), rest // int(iv.dom.extent)
-    if rest_vars:
-        mapping[rest_vars[0].var] = rest
-    return mapping
+    return {first.var: row, **unflatten(rest_vars, k)}
 
 
 def placeholder(name: str):

@@ -15,7 +15,7 @@ from .rows import (normalises, row_bytes, rows_fit, schedule_rows, unaligned_vec
 NAME = "warp_row"
 MAX_ROW_BYTES = 4096  # longer rows go to block_row
 BLOCK_THREADS = 128
-LET_BOUND_BLOCK_THREADS = 64
+NORMALISING_BLOCK_THREADS = 64  # LayerNorm's blocks (see default_knobs)
 
 
 def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
@@ -32,7 +32,7 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
         # faster (a sweep of the Welford form on the H200: h200-2026-11-27-sweep-short-and-long-rows.log);
         # the form spelled out follows, so that it keeps the op's schedule
         fits = [g for g in fits if 2 * g * vec <= n] or fits
-        threads = LET_BOUND_BLOCK_THREADS
+        threads = NORMALISING_BLOCK_THREADS
     exact = [g for g in fits if g >= 8 and n % (g * vec) == 0]  # no tail chunk (see rows.py)
     group = (exact or fits or [2])[0]
     rows = max(1, threads // group)

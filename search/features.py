@@ -44,11 +44,8 @@ def _launch(knobs: dict, rows: int, device: Device) -> tuple[int, int, int, int]
     if strategy in ("grid_reduce", "grid_sync"):
         threads, per_row = int(knobs["threads"]), int(knobs["blocks_per_row"])
         return threads, rows * per_row, threads * per_row, 1
-    if strategy == "column_reduce":
-        cols, lanes = int(knobs["cols"]), int(knobs["lanes"])
-        return cols * lanes, math.ceil(rows / cols), lanes, cols
-    if strategy == "column_split":
-        cols, lanes, splits = int(knobs["cols"]), int(knobs["lanes"]), int(knobs["splits"])
+    if strategy in ("column_reduce", "column_split"):  # column_reduce: one split of the rows
+        cols, lanes, splits = int(knobs["cols"]), int(knobs["lanes"]), int(knobs.get("splits", 1))
         return cols * lanes, math.ceil(rows / cols) * splits, lanes * splits, cols
     return 1, max(1, rows // max(1, device.sm_count)), int(knobs.get("lanes", 1)), 1  # cpu_rows
 

@@ -227,10 +227,11 @@ def choose_variants(variants: list, target: Target, database: Database) -> tvm.I
     another variant's function of the same name and signature whose tuning record is faster. A
     function without a record in every variant keeps the first's (Welford, the default)."""
     chosen, *others = variants  # fresh modules of this build: updated in place
+    others = [{g.name_hint: f for g, f in other.functions_items()} for other in others]
     for gv, func in list(chosen.functions_items()):
         best = database.latency(func, target) if isinstance(func, tirx.PrimFunc) else None
         for other in others:
-            alt = other[gv.name_hint] if any(g.name_hint == gv.name_hint for g in other.get_global_vars()) else None
+            alt = other.get(gv.name_hint)
             if best is None or not isinstance(alt, tirx.PrimFunc) \
                     or not tvm_ffi.structural_equal(_signature(alt), _signature(func), map_free_vars=True):
                 continue
