@@ -8,6 +8,9 @@ from __future__ import annotations
 import tvm
 
 ZEROED_INPUTS = "tvm_ext.zeroed_inputs"  # PrimFunc attr: [(shape, dtype)] of inputs the caller passes zero-filled
+# PrimFunc attr: (name of the symbolic row width, lanes): the kernel takes that width as a count of
+# `lanes`-element vectors, its last scalar parameter, which its call site passes (width // lanes)
+WIDTH_IN_VECTORS = "tvm_ext.width_in_vectors"
 GRID_SYNC = "cooperative_groups::this_grid().sync"  # a grid barrier, printed by CUDA codegen as a call
 
 GATE_RUN = 8  # columns: a gated product's joint weight alternates runs of this many gate and up rows

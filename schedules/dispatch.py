@@ -6,12 +6,14 @@ means no strategy fits, like dlight, and the caller falls back to TVM."""
 
 from __future__ import annotations
 
+import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.target import Target
 
 from . import (block_row, column_reduce, column_split, conv2d, cpu_rows, few_row_matmul, gemv, grid_reduce, grid_sync, matmul,
                warp_row, wgmma_matmul)
 from .analysis import ROW, const_int, match
+from .contracts import WIDTH_IN_VECTORS
 from .device import device_of
 from .rows import widest_lanes
 
@@ -23,8 +25,9 @@ CONTRACTIONS = {s.NAME: s for s in (gemv, matmul, wgmma_matmul, conv2d)}  # GPU 
 # A symbolic row width gets one kernel per width class, chosen at run time (tvm_ext.relax.variants):
 # by the largest width a class serves, and, within each, widths a multiple of a 16-byte vector
 # (read and written as vectors, `vec` set by the input dtype) before the rest (`vec` 1).
-# No class stages its rows: TVM sizes a symbolic shared-memory stage by the whole tensor, not the
-# block's rows (the launch fails: "Failed to set the allowed dynamic shared memory size to ...").
+# No class stages its rows: TVM sizes a symbolic stage of several rows by the whole tensor (the launch
+# fails: "Failed to set the allowed dynamic shared memory size to ..."), and copies a stage of one row
+# element by element, slower than re-reading the row (docs/design.md#row-and-column-templates).
 DYNAMIC_ROW_VARIANTS = [
     (1024, {"strategy": "warp_row", "group": 32, "rows_per_block": 4, "cache": False}),
     (16384, {"strategy": "block_row", "threads": 256, "cache": False}),
@@ -45,6 +48,28 @@ def width_classes(pattern) -> list[tuple]:
                             dict(knobs, vec=lanes, max_extent=bound)))
         classes.append((within, dict(knobs, vec=1, max_extent=bound)))
     return classes
+
+
+def in_vectors(func: tirx.PrimFunc, width, lanes: int) -> tirx.PrimFunc | None:
+    """`func` with its symbolic row width `width` spelled `width_vectors * lanes`, `width_vectors`
+    a new scalar parameter before the outputs (attr WIDTH_IN_VECTORS: the call site passes
+    width // lanes after its inputs); None when the width is not a dim of a parameter.
+
+    For a width class whose widths `lanes` divides: TVM then knows every row starts on a whole
+    vector, so loads over the row vectorize (a load it cannot prove aligned becomes a gather of
+    single elements) and the row splits into whole vectors without a test."""
+    if not isinstance(width, tirx.Var) or not any(d.same_as(width) for p in func.params for d in getattr(p, "shape", [])):
+        return None
+    vectors = tirx.Var(f"{width.name}_vectors", width.ty)
+    # every use, in buffer shapes and the body, rebuilt as it is: PrimFunc.specialize would fold
+    # `x * 1.0` and Welford's update would no longer match its registered combiner
+    spelled = tvm_ffi.structural_map(func, (tirx.Var, lambda v: vectors * lanes if v.same_as(width) else v))
+    written = []
+    tvm_ffi.structural_walk(spelled.body, (s_tir.SBlock, lambda b: written.extend(w.source for w in b.writes)), order="pre")
+    params = list(spelled.params)
+    first_output = next(i for i, p in enumerate(params) if any(p.same_as(w) for w in written))
+    params.insert(first_output, vectors)  # call_tir passes the inputs, then the scalars, then the outputs
+    return tirx.PrimFunc(params, spelled.body, spelled.ret_type, spelled.attrs).with_attr(WIDTH_IN_VECTORS, [width.name, lanes])
 
 
 def plan(func: tirx.PrimFunc, target: Target) -> list[tuple]:
@@ -69,10 +94,17 @@ def _plan(func, target, build: bool) -> list[tuple]:
         return []
     extent = pattern.reduce_extent
     if device.is_gpu and pattern.layout == ROW and const_int(extent) is None:
-        return [(condition, knobs, schedule(func, target, knobs) if build else None)
+        return [(condition, knobs, _width_class_schedule(func, target, extent, knobs) if build else None)
                 for condition, knobs in width_classes(pattern)]
     found = _first_applicable(func, pattern, device)
     return [(None, *found)] if found else []
+
+
+def _width_class_schedule(func, target, width, knobs) -> s_tir.Schedule | None:
+    """A width class's kernel: over whole vectors where the class's vector divides every width it
+    serves (in_vectors), else over `func` as it is."""
+    spelled = in_vectors(func, width, knobs["vec"]) if knobs["vec"] > 1 else None
+    return schedule(spelled or func, target, knobs)
 
 
 def _proposals(pattern, device):

@@ -257,7 +257,13 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
         _spread(sch, columns[-1:], threads, vec, vectorize=True)
         staged_buffers.append(sch.get(stage).writes[0].source)
     width = const_int(pattern.reduce_extent)
-    if reduce_vec > 1 and width is not None and width % (threads * reduce_vec) == 0:
+    if reduce_vec > 1 and width is None and not staged_buffers:
+        # a width class of whole vectors (dispatch.in_vectors), read from memory: one vector load a
+        # chunk, where element loads are eight a chunk, 16 bytes apart across lanes (measured:
+        # docs/design.md#row-and-column-templates)
+        for reduction, outer in reductions:
+            _wide_reads(sch, reduction, outer, [buf for buf in pattern.input_buffers() if str(buf.dtype) != "bool"])
+    elif reduce_vec > 1 and width is not None and width % (threads * reduce_vec) == 0:
         # only without a tail chunk: under the tail's predicate TVM puts the barrier that guards
         # the register copy inside `if (threadIdx.x < ...)`, and the block deadlocks (e.g.
         # log_softmax over 3000 columns)

@@ -83,17 +83,37 @@ def test_vector_width_classes_follow_the_narrowest_input():
 
 
 def test_a_symbolic_width_is_split_into_whole_vectors_without_a_tail_test():
-    # the vector class serves only widths that are a multiple of 8: no chunk is partial, so its lane
-    # loop carries no predicate and its stores vectorize
+    # the vector class serves only widths that are a multiple of 8, and takes the width as a count
+    # of vectors: no chunk is partial, so its lane loop carries no predicate and its stores vectorize
     (func,) = fused_reduce_functions(relax_module("softmax", [4096, "s"], "float16"), TARGET).values()
     (_, knobs, vector), (_, _, scalar) = schedules.scheduled(func, TARGET)[:2]
     assert knobs["vec"] == 8
     vector_text, scalar_text = vector.mod["main"].script(), scalar.mod["main"].script()
+    assert '"s_vectors * T.int64(8)"' in vector_text and "s_vectors: T.int64" in vector_text
     assert "T.vectorized(" in vector_text and "T.vectorized" not in scalar_text
     wheres = re.findall(r"T\.where\((.*)\)", vector_text)
-    assert wheres and all(re.search(r"< \(s \+ T\.int64\(\d+\)\) // T\.int64\(\d+\)$", w) for w in wheres), \
-        "the vector class tests whole chunks against the width, never an element"
+    assert wheres and all(re.search(r"(< s_vectors|< s_vectors \* T\.int64\(\d+\)|- s_vectors < T\.int64\(0\))$", w)
+                          for w in wheres), "the vector class tests whole chunks against the width, never an element"
     assert re.findall(r"T\.where\(.* < s\)", scalar_text)  # the scalar class tests each element
+
+
+@pytest.mark.parametrize("op, dtype, vector", [("rms_norm", "float16", "uint4"), ("softmax", "float32", "float4"),
+                                               ("layer_norm", "bfloat16", "uint2")])
+def test_a_width_class_of_whole_vectors_loads_vectors(op, dtype, vector):
+    # the kernel takes the width in vectors (the call passes s // 8 or s // 4), so TVM knows each row
+    # starts on a whole vector: the epilogue's loads of x are vectors, not gathers of elements, and
+    # the reductions load a 16-byte vector a chunk (LayerNorm's Welford reads its pivot beside the
+    # row: element loads there)
+    ex = tvm_ext.build(relax_module(op, ["b", "s"], dtype), CUDA_TARGET)
+    src = tvm_ext.cuda_source(ex)
+    kernels = {name: re.search(rf"void __launch_bounds__\(\d+\) {name}\(([^)]*)\) \{{(.*?)\n\}}", src, re.S).groups()
+               for name in tvm_ext.cuda_kernels(ex)}
+    in_vectors = {name: body for name, (params, body) in kernels.items() if "s_vectors" in params}
+    assert len(in_vectors) == 6, "the three vector classes, each with its int32 twin"
+    for name, body in in_vectors.items():
+        assert not re.search(r"make_(half|float|bfloat16)\d\(p0_ptr\[", body), f"{name}: x gathered element by element"
+        if op != "layer_norm":
+            assert re.search(rf"\*\({vector}\*\)\(p0_local_ptr \+ (\(int64_t\))?0\) = \*\({vector}\*\)\(p0_ptr \+", body), name
 
 
 @pytest.mark.parametrize("knobs", [{"strategy": "block_row", "threads": 256, "vec": 8, "cache": False},

@@ -12,7 +12,7 @@ from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from tvm_ext.schedules.analysis import substitute
-from tvm_ext.schedules.contracts import ZEROED_INPUTS
+from tvm_ext.schedules.contracts import WIDTH_IN_VECTORS, ZEROED_INPUTS
 
 from .bindings import CALL_TIR
 
@@ -63,16 +63,21 @@ class _DispatchCallSites(PyExprMutator):
             return call
         bindings = _shape_bindings(self.mod_[call.args[0]], call)
         *guarded, (_, fallback) = variants
-        expr = relax.SeqExpr([], self._call(call, fallback))
+        expr = relax.SeqExpr([], self._call(call, fallback, bindings))
         for condition, gv in reversed(guarded):
             expr = relax.SeqExpr([], relax.If(relax.prim_value(substitute(condition, bindings)),
-                                              relax.SeqExpr([], self._call(call, gv)), expr))
+                                              relax.SeqExpr([], self._call(call, gv, bindings)), expr))
         return expr.body
 
-    def _call(self, call, gv):
+    def _call(self, call, gv, bindings: dict):
+        attrs = self.mod_[gv].attrs or {}
         args = _call_args(call)
-        zeroed = (self.mod_[gv].attrs or {}).get(ZEROED_INPUTS, [])
-        args += [relax.const(np.zeros([int(d) for d in shape], str(dtype))) for shape, dtype in zeroed]
+        args += [relax.const(np.zeros([int(d) for d in shape], str(dtype))) for shape, dtype in attrs.get(ZEROED_INPUTS, [])]
+        if WIDTH_IN_VECTORS in attrs and WIDTH_IN_VECTORS not in (self.mod_[call.args[0]].attrs or {}):
+            # the row width as a count of vectors (schedules.dispatch.in_vectors), unless passed already
+            name, lanes = attrs[WIDTH_IN_VECTORS]
+            width = next(value for var, value in bindings.items() if var.name == name)
+            args.append(relax.prim_value(tirx.floordiv(width, tirx.const(int(lanes), str(width.ty)))))
         return relax.Call(call.op, [gv, relax.Tuple(args)] + list(call.args[2:]), call.attrs, call.ty_args)
 
 
