@@ -11,6 +11,7 @@ import tvm_ffi
 from tvm import s_tir, tirx
 
 from .analysis import ReducePattern, const_int
+from .contracts import WIDTH_IN_VECTORS
 
 UNROLL = 256
 # TVM 0.27's CUDA codegen emits a broadcast of 8 float32 lanes as make_ulonglong4(8 floats), which
@@ -257,7 +258,7 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
         _spread(sch, columns[-1:], threads, vec, vectorize=True)
         staged_buffers.append(sch.get(stage).writes[0].source)
     width = const_int(pattern.reduce_extent)
-    if reduce_vec > 1 and width is None and not staged_buffers:
+    if reduce_vec > 1 and WIDTH_IN_VECTORS in (sch.mod["main"].attrs or {}) and not staged_buffers:
         # a width class of whole vectors (dispatch.in_vectors), read from memory: one vector load a
         # chunk, where element loads are eight a chunk, 16 bytes apart across lanes (measured:
         # docs/design.md#row-and-column-templates)

@@ -17,6 +17,7 @@ from tvm_ext.schedules import (block_row, column_reduce, column_split, conv2d, c
 from tvm_ext import fallback, pipeline
 from tvm_ext import tir as passes
 from tvm_ext.relax import welford
+from conftest import CUDA_TARGET
 
 torch = pytest.importorskip("torch")
 from examples.torch_models import BertLayer, LlamaLayer, make  # noqa: E402
@@ -230,3 +231,26 @@ def test_relax_function_names_the_function(monkeypatch):
     _, messages = _build(bb.get(), "llvm")
     assert messages == ["tvm_ext: main, other: TVMExtFuseAttention failed (RuntimeError: injected); falling back to "
                         "TVM's default"]
+
+
+def test_a_schedule_with_a_per_thread_array_of_symbolic_size_is_refused_before_code_generation():
+    # CUDA's code generator raises on such an array after every TIR pass has run; the check that
+    # decides between our schedule and TVM's must see it, or the build fails instead of falling back
+    from tvm.script import tirx as T  # noqa: PLC0415
+
+    @T.prim_func(private=True, s_tir=True)
+    def per_thread_row(a: T.handle, b: T.handle):
+        n = T.int64()
+        A = T.match_buffer(a, (T.int64(4), n), "float32")
+        B = T.match_buffer(b, (T.int64(4),), "float32")
+        for row in T.thread_binding(T.int64(4), thread="blockIdx.x"):
+            for tx in T.thread_binding(T.int64(1), thread="threadIdx.x"):
+                with T.sblock("copy"):
+                    row_local = T.sblock_alloc_buffer((n,), scope="local")
+                    for j in range(n):
+                        row_local[j] = A[row, j]
+                    B[row] = row_local[0]
+
+    target = tvm_ext.parse_target(CUDA_TARGET)
+    with pytest.raises(ValueError, match="per-thread array row_local of symbolic size"):
+        passes.check_builds(per_thread_row, "per_thread_row", target)

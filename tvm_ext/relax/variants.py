@@ -34,8 +34,9 @@ def _shape_bindings(func: tirx.PrimFunc, call: relax.Call) -> dict:
     args = _call_args(call)
     types = [a.ty for a in args if isinstance(a.ty, relax.TensorType)] + _tensor_types(call.ty)
     buffers = [p for p in func.params if hasattr(p, "shape")]
-    bindings = dict(zip([p for p in func.params if not hasattr(p, "shape")],
-                        [a for a in args if not isinstance(a.ty, relax.TensorType)]))  # PrimValues: the dims
+    scalars = [v for a in args if not isinstance(a.ty, relax.TensorType)  # the dims passed as values
+               for v in (a.values if isinstance(a, relax.ShapeExpr) else [a])]
+    bindings = dict(zip([p for p in func.params if not hasattr(p, "shape")], scalars))
     for param, ty in zip(buffers, types):
         if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
             continue

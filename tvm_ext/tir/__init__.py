@@ -11,6 +11,7 @@ import contextlib
 import warnings
 
 import tvm
+import tvm_ffi
 from tvm import tirx
 from tvm.s_tir import pipeline as s_tir_pipeline
 from tvm.target import Target
@@ -116,11 +117,24 @@ def check_builds(func: tirx.PrimFunc, name: str, target: Target) -> None:
         try:
             _, device_mods = split_host_device_mods(lower(mod))
             for device_mod in device_mods.values():
-                finalize_device()(device_mod)
+                _constant_local_arrays(finalize_device()(device_mod))
         except Exception as err:
             if raised:  # a pass of ours: its RuleError, which crossing TVM's C++ made a RuntimeError
                 raise raised[-1] from err
             raise
+
+
+def _constant_local_arrays(device_mod: tvm.IRModule) -> None:
+    """Raise where a kernel keeps a per-thread array of a size known only at run time, which CUDA's
+    code generator refuses ("Can only handle constant size stack allocation") after this check."""
+    def check(alloc):
+        buf = alloc.buffer
+        if str(buf.scope()) == "local" and any(not isinstance(d, tirx.IntImm) for d in buf.shape):
+            raise ValueError(f"per-thread array {buf.name} of symbolic size {list(buf.shape)}")
+
+    for _, func in device_mod.functions_items():
+        if isinstance(func, tirx.PrimFunc):
+            tvm_ffi.structural_walk(func.body, (tirx.AllocBuffer, check), order="pre")
 
 
 def _register_builtin_passes() -> None:
