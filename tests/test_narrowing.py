@@ -134,3 +134,28 @@ def test_tvm_tensor_core_matmuls_keep_int64_and_build():
     executable = tvm_ext.build(bb.get(), CUDA_TARGET)
     assert "wmma::mma_sync" in tvm_ext.cuda_source(executable)
     assert any("matmul" in k for k in tvm_ext.cuda_kernels(executable))
+
+
+def test_dims_passed_together_as_one_shape_bind_each_scalar_parameter():
+    # FuseOps passes the dims no operand's shape defines as one shape argument; the conditions of a
+    # kernel's variants are over its scalar parameters, one for each value of that shape
+    from tvm.script import tirx as T  # noqa: PLC0415
+    from tvm_ext.relax.variants import _shape_bindings  # noqa: PLC0415
+
+    @T.prim_func(private=True)
+    def take(x: T.handle, lo: T.int64, hi: T.int64, y: T.handle):
+        n = T.int64()
+        X = T.match_buffer(x, (n,), "float32")
+        Y = T.match_buffer(y, (hi - lo,), "float32")
+        for i in range(hi - lo):
+            Y[i] = X[lo + i]
+
+    n, a, b = (tirx.Var(name, "int64") for name in "nab")
+    x = relax.Var("x", relax.TensorType([n], "float32"))
+    call = relax.call_tir(relax.GlobalVar("take"), [x, relax.ShapeExpr([a + 1, b * 2])],
+                          relax.TensorType([b * 2 - a - 1], "float32"))
+    bindings = {var.name: value for var, value in _shape_bindings(take, call).items()}
+    assert set(bindings) == {"n", "lo", "hi"}
+    tvm.ir.assert_structural_equal(bindings["lo"], a + 1)
+    tvm.ir.assert_structural_equal(bindings["hi"], b * 2)
+    tvm.ir.assert_structural_equal(bindings["n"], n)
