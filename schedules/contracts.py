@@ -9,7 +9,8 @@ import tvm
 
 ZEROED_INPUTS = "tvm_ext.zeroed_inputs"  # PrimFunc attr: [(shape, dtype)] of inputs the caller passes zero-filled
 # PrimFunc attr: (name of the symbolic row width, lanes): the kernel takes that width as a count of
-# `lanes`-element vectors, its last scalar parameter, which its call site passes (width // lanes)
+# `lanes`-element vectors, a scalar parameter before its outputs, which its call site passes
+# (width // lanes) after the inputs
 WIDTH_IN_VECTORS = "tvm_ext.width_in_vectors"
 GRID_SYNC = "cooperative_groups::this_grid().sync"  # a grid barrier, printed by CUDA codegen as a call
 

@@ -109,7 +109,8 @@ tirx.register_tir_pipeline("s_tir", _default_taking_ours(PIPELINE_MAP["s_tir"]))
 def check_builds(func: tirx.PrimFunc, name: str, target: Target) -> None:
     """Run the TIR half of a build on one scheduled function: our passes, TVM's lowering, the
     host/device split and the device finalization (all but code generation). Raises what the build
-    would raise; `fallback.RuleError` where a pass of ours raised."""
+    would raise (a per-thread array of symbolic size too, which code generation refuses);
+    `fallback.RuleError` where a pass of ours raised."""
     mod = tvm.IRModule({name: func.with_attr("global_symbol", name)})
     mod = tirx.transform.BindTarget(target if target.host is not None else Target(target, host="llvm"))(mod)
     lower, _, finalize_device = _tir_pipeline()
