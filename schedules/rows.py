@@ -258,23 +258,24 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
         _spread(sch, columns[-1:], threads, vec, vectorize=True)
         staged_buffers.append(sch.get(stage).writes[0].source)
     width = const_int(pattern.reduce_extent)
+    # inputs a reduction may copy to registers from memory; bool aside: TVM 0.27 has no CUDA type
+    # for a register vector of bools
+    from_memory = [buf for buf in pattern.input_buffers() if str(buf.dtype) != "bool"
+                   and not any(buf.same_as(s) for s in staged_buffers)]
     if reduce_vec > 1 and WIDTH_IN_VECTORS in (sch.mod["main"].attrs or {}) and not staged_buffers:
         # a width class of whole vectors (dispatch.in_vectors), read from memory: one vector load a
         # chunk, where element loads are eight a chunk, 16 bytes apart across lanes (measured:
         # docs/design.md#row-and-column-templates)
         for reduction, outer in reductions:
-            _wide_reads(sch, reduction, outer, [buf for buf in pattern.input_buffers() if str(buf.dtype) != "bool"])
+            _wide_reads(sch, reduction, outer, from_memory)
     elif reduce_vec > 1 and width is not None and width % (threads * reduce_vec) == 0:
         # only without a tail chunk: under the tail's predicate TVM puts the barrier that guards
         # the register copy inside `if (threadIdx.x < ...)`, and the block deadlocks (e.g.
         # log_softmax over 3000 columns)
         # From memory only when a lane's chunk is its whole share of the row: with several chunks
         # per lane the register copies cost more than they save (measured on LLaMA's attention
-        # softmax: docs/design.md#row-and-column-templates). Bool aside: TVM 0.27 has no CUDA type
-        # for a register vector of bools.
+        # softmax: docs/design.md#row-and-column-templates).
         one_chunk = width == threads * reduce_vec
-        read_from_memory = [buf for buf in pattern.input_buffers() if str(buf.dtype) != "bool"
-                            and not any(buf.same_as(s) for s in staged_buffers)] if one_chunk else []
         for reduction, outer in reductions:
-            _wide_reads(sch, reduction, outer, staged_buffers + read_from_memory)
+            _wide_reads(sch, reduction, outer, staged_buffers + (from_memory if one_chunk else []))
     return sch
