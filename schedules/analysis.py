@@ -16,7 +16,7 @@ from tvm.s_tir.dlight.analysis import IterInfo, SBlockInfo, normalize_prim_func
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
 
-from .contracts import WIDER
+from .contracts import PIVOT, WIDER
 
 ROW = "row"  # the innermost reduce axis is the innermost (contiguous) axis of the input
 COLUMN = "column"  # the innermost input axis is a spatial one: reduce across rows
@@ -35,6 +35,15 @@ class ReducePattern:
     layout: str  # ROW or COLUMN
     row_count: tirx.PrimExpr  # product of the spatial extents
     reduce_extent: tirx.PrimExpr  # product of the reduce extents
+    source: tirx.PrimFunc  # the function matched
+    prologue: list[SBlockInfo]  # per-row pivot blocks kept apart before the reductions (match's pivots_apart)
+
+    def with_pivots_apart(self) -> ReducePattern:
+        """This function matched again (a fresh schedule) with its pivots apart; self when it has
+        none, or when that match fails."""
+        if not _pivot_blocks(self.source.body):
+            return self
+        return match(self.source, pivots_apart=True) or self
 
     @property
     def blocks(self) -> list[SBlockInfo]:
@@ -171,6 +180,20 @@ def _widen_union_reads(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     return func.with_body(body) if widened else None
 
 
+def _pivot_blocks(body) -> list:
+    """The blocks of `body` annotated as pivots (contracts.PIVOT)."""
+    found = []
+    tvm_ffi.structural_walk(body, (s_tir.SBlock, lambda b: found.append(b) if PIVOT in (b.annotations or {}) else None),
+                            order="pre")
+    return found
+
+
+def _apart(sch: s_tir.Schedule, infos: list, pivots_apart: bool) -> tuple[list, list]:
+    """(infos to inline or match, pivot infos kept apart): the pivots are split off only when asked."""
+    pivots = [i for i in infos if pivots_apart and PIVOT in (sch.get(i.block_rv).annotations or {})]
+    return [i for i in infos if not any(i is p for p in pivots)], pivots
+
+
 def _share_loops(sch: s_tir.Schedule, infos: list) -> bool:
     """Put blocks that each work on every element (a residual sum written beside the normed
     value) under one loop nest, the last one's: the templates then schedule them as one epilogue."""
@@ -196,19 +219,25 @@ def _with_row_loop(sch: s_tir.Schedule, info: SBlockInfo) -> SBlockInfo:
                       info.block_rv, info.is_reduction())
 
 
-def match(func: tirx.PrimFunc) -> ReducePattern | None:
-    """Match `func` as a fused reduce subgraph, or return None (then another rule must serve it)."""
+def match(func: tirx.PrimFunc, pivots_apart: bool = False) -> ReducePattern | None:
+    """Match `func` as a fused reduce subgraph, or return None (then another rule must serve it).
+
+    A pivot (contracts.PIVOT: a per-row value the reduction's elements are shifted by) is inlined
+    into its reduction, which then reads the row's first element beside its own; with
+    `pivots_apart` it stays a block of its own (`prologue`), so the reduction reads one element
+    of the row per instance, which a template can load as vectors (rows._wide_reads)."""
     sch = s_tir.Schedule(func)
     infos = normalize_prim_func(sch)
     if not infos:
         return None
+    infos, prologue = _apart(sch, infos, pivots_apart)
     infos = try_inline_contiguous_spatial(sch, infos)
     if not infos or not any(info.is_reduction() for info in infos):
         return None
     widened = _widen_union_reads(sch.mod["main"])
     if widened is not None:  # a fresh schedule of the function with its reads widened
         sch = s_tir.Schedule(widened)
-        infos = normalize_prim_func(sch)
+        infos, prologue = _apart(sch, normalize_prim_func(sch), pivots_apart)
     kind = infos[0].dom_kind()
     num_spatial = len(kind) - len(kind.lstrip("S"))
     num_reduce = len(kind) - num_spatial
@@ -244,6 +273,8 @@ def match(func: tirx.PrimFunc) -> ReducePattern | None:
         layout=layout,
         row_count=_product(dom[:num_spatial]) if num_spatial else tirx.const(1, "int64"),
         reduce_extent=_product(dom[num_spatial:]),
+        source=func,
+        prologue=prologue,
     )
 
 

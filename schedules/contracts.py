@@ -12,6 +12,9 @@ ZEROED_INPUTS = "tvm_ext.zeroed_inputs"  # PrimFunc attr: [(shape, dtype)] of in
 # `lanes`-element vectors, a scalar parameter before its outputs, which its call site passes
 # (width // lanes) after the inputs
 WIDTH_IN_VECTORS = "tvm_ext.width_in_vectors"
+# block annotation: a per-row value a reduction shifts its elements by (Welford's pivot, the row's
+# first element); analysis.match can keep its block apart from the reduction it feeds
+PIVOT = "tvm_ext.pivot"
 GRID_SYNC = "cooperative_groups::this_grid().sync"  # a grid barrier, printed by CUDA codegen as a call
 
 GATE_RUN = 8  # columns: a gated product's joint weight alternates runs of this many gate and up rows

@@ -6,6 +6,8 @@ several blocks of the chain are staged once in shared memory."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
@@ -93,14 +95,23 @@ def normalises(pattern: ReducePattern) -> bool:
     return pattern.epilogue is not None and len(pattern.sch.get(pattern.epilogue.block_rv).reads) >= 5
 
 
-def rows_fit(pattern: ReducePattern, rows_per_block: int) -> bool:
-    """Whether a block can take `rows_per_block` rows. Over three or more spatial axes, a block
-    whose rows cross the innermost one (rows of 100 per head, 8 per block) gets from TVM's
-    compute_at a reduction that keeps a spatial loop, which cannot then be spread over lanes."""
-    if rows_per_block == 1 or pattern.num_spatial < 3:
-        return True
+def rows_cross(pattern: ReducePattern, rows_per_block: int) -> bool:
+    """Whether a block of `rows_per_block` rows may cross from one index of a row dim to the next
+    (8 rows a block over heads of 100 queries, or of `seq`): schedule_rows then takes the row dims
+    as one (_one_row_axis)."""
+    if rows_per_block == 1 or pattern.num_spatial < 2:
+        return False
     inner = const_int(pattern.reductions[0].dom()[pattern.num_spatial - 1])
-    return inner is not None and inner % rows_per_block == 0
+    return inner is None or inner % rows_per_block != 0
+
+
+def rows_dividing(pattern: ReducePattern, rows_per_block: int) -> int:
+    """The most rows a block, up to `rows_per_block`, that never cross a static row dim: blocks over
+    static dims keep the rows as they are, so only symbolic dims need _one_row_axis."""
+    inner = const_int(pattern.reductions[0].dom()[pattern.num_spatial - 1]) if pattern.num_spatial > 1 else None
+    while inner is not None and rows_cross(pattern, rows_per_block):
+        rows_per_block //= 2
+    return rows_per_block
 
 
 def stage_is_bounded(pattern: ReducePattern, rows_per_block: int) -> bool:
@@ -204,6 +215,35 @@ def _wide_reads(sch: s_tir.Schedule, reduction, outer, buffers) -> None:
             sch.vectorize(chunk)
 
 
+def _one_row_axis(pattern: ReducePattern) -> ReducePattern:
+    """The chain with its row dims taken as one ([2, 4, seq, seq] scores: rows [8 * seq], each block
+    and each per-row value it writes indexed by the row number).
+
+    A block of several rows may cross a row dim (8 rows a block over heads of 100, or of `seq`);
+    TVM bounds what a block reads and writes dim by dim, so over several dims the rows of a block
+    span every row of the tensor and the reductions no longer compute at the block's row loop."""
+    sch, ns = pattern.sch, pattern.num_spatial
+    params = list(sch.mod["main"].params)
+
+    def flat(dims):
+        def index(*axes):
+            row = axes[0]
+            for axis, extent in zip(axes[1:ns], dims[1:ns]):
+                row = row * extent + axis
+            return [row, *axes[ns:]]
+        return index
+
+    for info in pattern.prologue + pattern.blocks:
+        block = sch.get(info.block_rv)
+        for i, written in enumerate(block.writes):
+            buf = written.source
+            if len(buf.shape) == ns and not any(buf.same_as(p) for p in params):  # a per-row value of the chain
+                sch.transform_layout(info.block_rv, ("write", i), tirx.IndexMap.from_func(flat(list(buf.shape)), ndim=ns))
+        dims = [iv.dom.extent for iv in sch.get(info.block_rv).iter_vars]
+        sch.transform_block_layout(info.block_rv, tirx.IndexMap.from_func(flat(dims), ndim=len(dims)))
+    return dataclasses.replace(pattern, num_spatial=1)
+
+
 def unaligned_vectors(pattern: ReducePattern, knobs: dict) -> bool:
     """Whether `knobs` take vectors over a symbolic width without a width class's promise that
     the vector divides it (`max_extent`, set by dispatch.width_classes with that condition)."""
@@ -220,8 +260,11 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
     docs/design.md#row-and-column-templates).
     """
     reduce_vec = reduce_vec or vec
-    if not rows_fit(pattern, rows_per_block) or cache and not stage_is_bounded(pattern, rows_per_block):
+    if cache and not stage_is_bounded(pattern, rows_per_block):
         return None
+    pattern = pattern.with_pivots_apart()  # the reductions then read one element of the row each
+    if rows_cross(pattern, rows_per_block):
+        pattern = _one_row_axis(pattern)
     sch, ns = pattern.sch, pattern.num_spatial
     last = pattern.blocks[-1]
     outputs = [info.block_rv for info in pattern.row_outputs] + [last.block_rv]
@@ -245,10 +288,13 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
         sch.compute_at(info.block_rv, row, preserve_unit_loops=True)
         outer = _spread(sch, sch.get_loops(info.block_rv)[2:], threads, reduce_vec, vectorize=False)
         reductions.append((info.block_rv, outer))
+    for pivot in pattern.prologue:  # every thread loads its row's pivot into a register
+        sch.set_scope(pivot.block_rv, 0, "local")
+        sch.compute_at(pivot.block_rv, row, preserve_unit_loops=True)
 
     staged_buffers = []
     for buf, scope in stage_scopes(pattern, cached_inputs(pattern), rows_per_block) if cache else []:
-        consumers = [b.block_rv for b in pattern.blocks
+        consumers = [b.block_rv for b in pattern.prologue + pattern.blocks
                      if any(r.source.same_as(buf) for r in sch.get(b.block_rv).reads)]
         index = [i for i, r in enumerate(sch.get(consumers[0]).reads) if r.source.same_as(buf)][0]
         stage = sch.cache_read(consumers[0], index, scope, consumer_blocks=consumers)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .analysis import ROW, ReducePattern, const_int
 from .device import Device
-from .rows import (normalises, row_bytes, rows_fit, schedule_rows, unaligned_vectors, vector_choices, vector_lanes,
+from .rows import (normalises, row_bytes, rows_dividing, schedule_rows, unaligned_vectors, vector_choices, vector_lanes,
                    worth_caching)
 
 NAME = "warp_row"
@@ -35,9 +35,7 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
         threads = NORMALISING_BLOCK_THREADS
     exact = [g for g in fits if g >= 8 and n % (g * vec) == 0]  # no tail chunk (see rows.py)
     group = (exact or fits or [2])[0]
-    rows = max(1, threads // group)
-    while not rows_fit(pattern, rows):
-        rows //= 2
+    rows = rows_dividing(pattern, max(1, threads // group))
     return {"strategy": NAME, "group": group, "rows_per_block": rows, "vec": vec,
             "cache": worth_caching(pattern, rows)}
 
@@ -50,7 +48,8 @@ def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
         return []
     return [{"strategy": NAME, "group": group, "rows_per_block": rows, "vec": vec, "cache": cache}
             for group in (2, 4, 8, 16, 32) if group <= device.warp
-            for rows in (1, 2, 4, 8, 16, 32) if device.warp <= group * rows <= device.max_threads and rows_fit(pattern, rows)
+            for rows in (1, 2, 4, 8, 16, 32) if device.warp <= group * rows <= device.max_threads
+            and rows_dividing(pattern, rows) == rows
             for vec in vector_choices(pattern) if group * vec <= n
             for cache in (False, True) if not cache or worth_caching(pattern, rows)]
 

@@ -170,6 +170,24 @@ def test_models_on_the_gpu_match_pytorch(name, dtype):
         pytest.fail(f"GPU output differs from PyTorch; first kernel that differs from the CPU build: {where}")
 
 
+@pytest.mark.gpu
+def test_fp16_bert_built_for_any_length_matches_pytorch_on_the_gpu_at_several():
+    """Its LayerNorm rows are [2, seq] and its softmax rows [2, heads, seq, seq]: blocks of several
+    rows cross from one batch entry or head to the next at lengths no block size divides."""
+    module, x = make("bert-tiny")
+    module = module.half()
+    mod = tvm_ext.from_torch(module, x.half(), dynamic={0: {1: ("seq", 1, 512)}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fused function may fall back to TVM's schedules
+        executable = tvm_ext.build(mod, "cuda")
+    for n in (1, 7, 77, 200):
+        xi = torch.randn(x.shape[0], n, x.shape[-1]).half()
+        with torch.no_grad():
+            want = module.float()(xi.float()).numpy()
+        np.testing.assert_allclose(run_model(executable, xi, tvm.cuda(0)).astype("float32"), want, atol=3e-2,
+                                   err_msg=f"seq {n}")
+
+
 def test_call_traces_name_the_first_kernel_that_differs():
     module, x = make("llama-tiny")
     executable = tvm_ext.build(tvm_ext.from_torch(module, x), "llvm")

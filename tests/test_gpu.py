@@ -80,10 +80,14 @@ def test_column_split_on_gpu_three_calls_in_a_row(op, shape, dtype, rng):
         assert_close(outs, refs, dtype)
 
 
-@pytest.mark.parametrize("shape", [[2, 4, 100, 100], [2, 4, 50, 128], [2, 2, 2, 100, 100]])
-def test_rows_over_several_axes_whose_blocks_would_cross_a_head_on_gpu(shape, rng):
-    executable = tvm_ext.build(relax_module("softmax", shape, "float16"), "cuda")
-    outs, refs = run_case(executable, tvm.cuda(0), "softmax", shape, "float16", rng)
+@pytest.mark.parametrize("op, shape, concrete", [
+    ("softmax", [2, 4, 100, 100], None), ("softmax", [2, 4, 50, 128], None), ("softmax", [2, 2, 2, 100, 100], None),
+    ("softmax", [2, 4, "s", "s"], [2, 4, 77, 77]), ("softmax", [2, 4, "s", "s"], [2, 4, 200, 200]),
+    ("layer_norm", [2, "s", 128], [2, 77, 128]), ("layer_norm", [2, "s", 768], [2, 13, 768])])
+def test_rows_over_several_axes_whose_blocks_cross_a_row_dim_on_gpu(op, shape, concrete, rng):
+    # blocks of several rows cross from one head (or batch entry) to the next: static and symbolic dims
+    executable = tvm_ext.build(relax_module(op, shape, "float16"), "cuda")
+    outs, refs = run_case(executable, tvm.cuda(0), op, concrete or shape, "float16", rng)
     assert_close(outs, refs, "float16")
 
 

@@ -15,6 +15,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.target import Target
 
 from tvm_ext.schedules import reducers
+from tvm_ext.schedules.contracts import PIVOT
 
 _COMBINER, _IDENTITY = "tvm_ext.welford_combine", "tvm_ext.welford_identity"
 _PAIR_SUM, _PAIR_ZERO = "tvm_ext.pair_sum", "tvm_ext.pair_zero"
@@ -97,7 +98,7 @@ def _welford_state(x, axes: list[int]):
     kept, ks, element, count = _reduction_space(x, axes)
     one, zero = tirx.const(1, accumulator(x.dtype)), tirx.const(0, accumulator(x.dtype))
     first = [tirx.const(0, k.var.ty.dtype) for k in ks]
-    pivot = te.compute(kept, lambda *i: element(i, first), name="pivot")
+    pivot = te.compute(kept, lambda *i: element(i, first), name="pivot", attrs={PIVOT: 1})
     m2, mean, _ = te.compute(kept, lambda *i: _welford((zero, element(i) - pivot(*i), one), axis=ks), name="welford",
                              attrs={reducers.ANNOTATION: "welford"})
     mean = te.compute(kept, lambda *i: mean(*i) + pivot(*i), name="shifted_mean")
