@@ -97,12 +97,13 @@ def normalises(pattern: ReducePattern) -> bool:
 
 def rows_cross(pattern: ReducePattern, rows_per_block: int) -> bool:
     """Whether a block of `rows_per_block` rows may cross from one index of a row dim to the next
-    (8 rows a block over heads of 100 queries, or of `seq`): schedule_rows then takes the row dims
-    as one (_one_row_axis)."""
+    where TVM cannot bound the block's rows (8 rows a block over heads of 100 queries, or over a
+    symbolic `seq`): schedule_rows then takes the row dims as one (_one_row_axis). Two row dims
+    the inner of which is static ([b, 77]) TVM bounds exactly."""
     if rows_per_block == 1 or pattern.num_spatial < 2:
         return False
     inner = const_int(pattern.reductions[0].dom()[pattern.num_spatial - 1])
-    return inner is None or inner % rows_per_block != 0
+    return inner is None or pattern.num_spatial > 2 and inner % rows_per_block != 0
 
 
 def rows_dividing(pattern: ReducePattern, rows_per_block: int) -> int:
