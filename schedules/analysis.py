@@ -201,7 +201,7 @@ def _share_loops(sch: s_tir.Schedule, infos: list) -> bool:
         nests = [sch.get_loops(info.block_rv) for info in infos]
         for depth in range(len(nests[-1])):
             sch.merge(*[nest[depth] for nest in nests])
-    except (tvm.TVMError, ValueError):  # loops of different extents or nesting: not one epilogue
+    except (RuntimeError, ValueError):  # loops of different extents or nesting (ScheduleError): not one epilogue
         return False
     return True
 

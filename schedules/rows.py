@@ -12,7 +12,7 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
-from .analysis import ReducePattern, const_int
+from .analysis import ReducePattern, const_int, match
 from .contracts import WIDTH_IN_VECTORS
 
 UNROLL = 256
@@ -96,14 +96,14 @@ def normalises(pattern: ReducePattern) -> bool:
 
 
 def rows_cross(pattern: ReducePattern, rows_per_block: int) -> bool:
-    """Whether a block of `rows_per_block` rows may cross from one index of a row dim to the next
-    where TVM cannot bound the block's rows (8 rows a block over heads of 100 queries, or over a
-    symbolic `seq`): schedule_rows then takes the row dims as one (_one_row_axis). Two row dims
-    the inner of which is static ([b, 77]) TVM bounds exactly."""
-    if rows_per_block == 1 or pattern.num_spatial < 2:
+    """Whether a block of `rows_per_block` rows may cross from one index of the innermost of three
+    or more row dims to the next (8 rows a block over heads of 100 queries, or of a symbolic
+    `seq`), where TVM cannot bound the block's rows: schedule_rows then takes the row dims as one
+    (_one_row_axis). Two row dims ([2, seq], [b, 77]) are tried as they are first."""
+    if rows_per_block == 1 or pattern.num_spatial < 3:
         return False
     inner = const_int(pattern.reductions[0].dom()[pattern.num_spatial - 1])
-    return inner is None or pattern.num_spatial > 2 and inner % rows_per_block != 0
+    return inner is None or inner % rows_per_block != 0
 
 
 def rows_dividing(pattern: ReducePattern, rows_per_block: int) -> int:
@@ -260,12 +260,24 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
     for rows read from global memory, where wider steps beat 1 on batch statistics; measured: see
     docs/design.md#row-and-column-templates).
     """
-    reduce_vec = reduce_vec or vec
     if cache and not stage_is_bounded(pattern, rows_per_block):
         return None
     pattern = pattern.with_pivots_apart()  # the reductions then read one element of the row each
-    if rows_cross(pattern, rows_per_block):
-        pattern = _one_row_axis(pattern)
+    crossing = rows_cross(pattern, rows_per_block)
+    try:
+        return _schedule_rows(_one_row_axis(pattern) if crossing else pattern, threads, rows_per_block, vec, cache,
+                              reduce_vec or vec)
+    except (RuntimeError, ValueError):  # TVM's ScheduleError and failed checks
+        if crossing or rows_per_block == 1 or pattern.num_spatial < 2:
+            raise
+    # Over two row dims TVM mostly bounds a block's rows as they are ([4, seq] softmax), but not
+    # always (LayerNorm over [2, seq] raised in compute_at): then the rows are taken as one
+    pattern = match(pattern.source, pivots_apart=True)
+    return _schedule_rows(_one_row_axis(pattern), threads, rows_per_block, vec, cache, reduce_vec or vec)
+
+
+def _schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec: int, cache: bool, reduce_vec: int):
+    """schedule_rows on a pattern whose pivots and row dims are settled."""
     sch, ns = pattern.sch, pattern.num_spatial
     last = pattern.blocks[-1]
     outputs = [info.block_rv for info in pattern.row_outputs] + [last.block_rv]
