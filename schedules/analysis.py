@@ -180,6 +180,46 @@ def _widen_union_reads(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     return func.with_body(body) if widened else None
 
 
+def _exact_row_indices(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`func` with `(x * d + y) // d` and `(x * d + y) % d` read as `x` and `y` wherever the block
+    vars' ranges prove 0 <= y < d. A reshape over a symbolic dim (LayerNorm's statistics kept as
+    [2, seq, 1], `(v0 * seq + v1) // seq`) leaves them, TVM's simplifier does not remove them for a
+    symbolic `d`, and a block of several rows then reads per-row values TVM cannot bound."""
+    if all(const_int(d) is not None for p in func.params for d in getattr(p, "shape", [])):
+        return func  # static shapes: TVM simplifies these itself
+    analyzer = tvm.sym.Analyzer()
+
+    def bind(block):
+        for iv in block.iter_vars:
+            analyzer.bind(iv.var, iv.dom)
+
+    tvm_ffi.structural_walk(func.body, (s_tir.SBlock, bind), order="pre")
+
+    def terms(e):
+        return terms(e.a) + terms(e.b) if isinstance(e, tirx.Add) else [e]
+
+    def split(n, d):
+        """(x, y) with n = x * d + y and 0 <= y < d, or None: y the terms of n that d does not divide."""
+        whole = [t for t in terms(n) if const_int(analyzer.simplify(tirx.floormod(t, d))) == 0]
+        rest = [t for t in terms(n) if not any(t.same_as(w) for w in whole)]
+        if not whole or not rest:
+            return None
+        y = reduce(lambda a, b: a + b, rest)
+        if not (analyzer.can_prove(y >= 0) and analyzer.can_prove(y < d)):
+            return None
+        return analyzer.simplify(tirx.floordiv(reduce(lambda a, b: a + b, whole), d)), y
+
+    def div(e):
+        found = split(e.a, e.b)
+        return e if found is None else found[0]
+
+    def mod(e):
+        found = split(e.a, e.b)
+        return e if found is None else found[1]
+
+    return tvm_ffi.structural_map(func, [(tirx.FloorDiv, div), (tirx.FloorMod, mod)])
+
+
 def _pivot_blocks(body) -> list:
     """The blocks of `body` annotated as pivots (contracts.PIVOT)."""
     found = []
@@ -226,7 +266,7 @@ def match(func: tirx.PrimFunc, pivots_apart: bool = False) -> ReducePattern | No
     into its reduction, which then reads the row's first element beside its own; with
     `pivots_apart` it stays a block of its own (`prologue`), so the reduction reads one element
     of the row per instance, which a template can load as vectors (rows._wide_reads)."""
-    sch = s_tir.Schedule(func)
+    sch = s_tir.Schedule(_exact_row_indices(func))
     infos = normalize_prim_func(sch)
     if not infos:
         return None

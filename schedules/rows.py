@@ -6,13 +6,11 @@ several blocks of the chain are staged once in shared memory."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
-from .analysis import ReducePattern, const_int, match
+from .analysis import ReducePattern, const_int
 from .contracts import WIDTH_IN_VECTORS
 
 UNROLL = 256
@@ -95,22 +93,30 @@ def normalises(pattern: ReducePattern) -> bool:
     return pattern.epilogue is not None and len(pattern.sch.get(pattern.epilogue.block_rv).reads) >= 5
 
 
+def _row_dims(pattern: ReducePattern) -> list:
+    return [const_int(d) for d in pattern.reductions[0].dom()[:pattern.num_spatial]]
+
+
 def rows_cross(pattern: ReducePattern, rows_per_block: int) -> bool:
-    """Whether a block of `rows_per_block` rows may cross from one index of the innermost of three
-    or more row dims to the next (8 rows a block over heads of 100 queries, or of a symbolic
-    `seq`), where TVM cannot bound the block's rows: schedule_rows then takes the row dims as one
-    (_one_row_axis). Two row dims ([2, seq], [b, 77]) are tried as they are first."""
-    if rows_per_block == 1 or pattern.num_spatial < 3:
+    """Whether a block of `rows_per_block` rows fused over the row dims could cross from one index
+    of an outer row dim to the next where TVM cannot bound the block's rows: the innermost row dim
+    is symbolic ([2, seq] of a batch), or the rows do not divide it under a symbolic dim ([batch,
+    17] tokens) or two more dims ([2, 4, 100] heads of 100 queries). TVM then bounded a block's
+    rows by every row of the tensor and compute_at raised; schedule_rows splits the innermost row
+    dim alone instead. Over two static dims TVM bounds them exactly."""
+    dims = _row_dims(pattern)
+    if rows_per_block == 1 or len(dims) < 2 or dims[-1] is not None and dims[-1] % rows_per_block == 0:
         return False
-    inner = const_int(pattern.reductions[0].dom()[pattern.num_spatial - 1])
-    return inner is None or inner % rows_per_block != 0
+    return len(dims) > 2 or None in dims
 
 
 def rows_dividing(pattern: ReducePattern, rows_per_block: int) -> int:
-    """The most rows a block, up to `rows_per_block`, that never cross a static row dim: blocks over
-    static dims keep the rows as they are, so only symbolic dims need _one_row_axis."""
-    inner = const_int(pattern.reductions[0].dom()[pattern.num_spatial - 1]) if pattern.num_spatial > 1 else None
-    while inner is not None and rows_cross(pattern, rows_per_block):
+    """The most rows a block, up to `rows_per_block`, that never cross a row dim over static dims
+    (rows_cross's blocks leave the last block of each outer index part idle); over symbolic dims
+    the rows stay (a block of one row would be one lane group)."""
+    if None in _row_dims(pattern):
+        return rows_per_block
+    while rows_cross(pattern, rows_per_block):
         rows_per_block //= 2
     return rows_per_block
 
@@ -216,35 +222,6 @@ def _wide_reads(sch: s_tir.Schedule, reduction, outer, buffers) -> None:
             sch.vectorize(chunk)
 
 
-def _one_row_axis(pattern: ReducePattern) -> ReducePattern:
-    """The chain with its row dims taken as one ([2, 4, seq, seq] scores: rows [8 * seq], each block
-    and each per-row value it writes indexed by the row number).
-
-    A block of several rows may cross a row dim (8 rows a block over heads of 100, or of `seq`);
-    TVM bounds what a block reads and writes dim by dim, so over several dims the rows of a block
-    span every row of the tensor and the reductions no longer compute at the block's row loop."""
-    sch, ns = pattern.sch, pattern.num_spatial
-    params = list(sch.mod["main"].params)
-
-    def flat(dims):
-        def index(*axes):
-            row = axes[0]
-            for axis, extent in zip(axes[1:ns], dims[1:ns]):
-                row = row * extent + axis
-            return [row, *axes[ns:]]
-        return index
-
-    for info in pattern.prologue + pattern.blocks:
-        block = sch.get(info.block_rv)
-        for i, written in enumerate(block.writes):
-            buf = written.source
-            if len(buf.shape) == ns and not any(buf.same_as(p) for p in params):  # a per-row value of the chain
-                sch.transform_layout(info.block_rv, ("write", i), tirx.IndexMap.from_func(flat(list(buf.shape)), ndim=ns))
-        dims = [iv.dom.extent for iv in sch.get(info.block_rv).iter_vars]
-        sch.transform_block_layout(info.block_rv, tirx.IndexMap.from_func(flat(dims), ndim=len(dims)))
-    return dataclasses.replace(pattern, num_spatial=1)
-
-
 def unaligned_vectors(pattern: ReducePattern, knobs: dict) -> bool:
     """Whether `knobs` take vectors over a symbolic width without a width class's promise that
     the vector divides it (`max_extent`, set by dispatch.width_classes with that condition)."""
@@ -260,31 +237,21 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
     for rows read from global memory, where wider steps beat 1 on batch statistics; measured: see
     docs/design.md#row-and-column-templates).
     """
+    reduce_vec = reduce_vec or vec
     if cache and not stage_is_bounded(pattern, rows_per_block):
         return None
     pattern = pattern.with_pivots_apart()  # the reductions then read one element of the row each
-    crossing = rows_cross(pattern, rows_per_block)
-    try:
-        return _schedule_rows(_one_row_axis(pattern) if crossing else pattern, threads, rows_per_block, vec, cache,
-                              reduce_vec or vec)
-    except (RuntimeError, ValueError):  # TVM's ScheduleError and failed checks
-        if crossing or rows_per_block == 1 or pattern.num_spatial < 2:
-            raise
-    # Over two row dims TVM mostly bounds a block's rows as they are ([4, seq] softmax), but not
-    # always (LayerNorm over [2, seq] raised in compute_at): then the rows are taken as one
-    pattern = match(pattern.source, pivots_apart=True)
-    return _schedule_rows(_one_row_axis(pattern), threads, rows_per_block, vec, cache, reduce_vec or vec)
-
-
-def _schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec: int, cache: bool, reduce_vec: int):
-    """schedule_rows on a pattern whose pivots and row dims are settled."""
     sch, ns = pattern.sch, pattern.num_spatial
     last = pattern.blocks[-1]
     outputs = [info.block_rv for info in pattern.row_outputs] + [last.block_rv]
     if not pattern.merge_outputs():
         return None
     loops = sch.get_loops(last.block_rv)
-    block, row = sch.split(sch.fuse(*loops[:ns]), [None, rows_per_block])
+    if rows_cross(pattern, rows_per_block):  # the innermost row dim split alone: a block's rows never cross
+        inner_blocks, row = sch.split(loops[ns - 1], [None, rows_per_block])
+        block = sch.fuse(*loops[:ns - 1], inner_blocks)
+    else:
+        block, row = sch.split(sch.fuse(*loops[:ns]), [None, rows_per_block])
     sch.bind(block, "blockIdx.x")
     sch.bind(row, "threadIdx.y")
     if len(loops) > ns:  # a reduction, or an epilogue over every element of the row

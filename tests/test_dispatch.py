@@ -206,11 +206,11 @@ def test_attention_softmax_over_several_row_dims_builds_with_our_schedule():
 
 @pytest.mark.parametrize("op, shape", [("softmax", [2, 4, 100, 100]), ("softmax", [2, 2, 2, 100, 100]),
                                        ("softmax", [2, 4, "s", "s"]), ("layer_norm", [2, "s", 128])])
-def test_blocks_of_rows_that_cross_a_row_dim_take_the_rows_as_one(op, shape):
-    """Scores of 100 (or `seq`) queries per head, 8 rows a block: a block's rows cross from one head
-    to the next, where TVM's compute_at bounded the block's rows dim by dim, left the reduction a
-    spatial loop and raised (BERT built for any length fell back on its softmax and LayerNorm).
-    The chain takes its row dims as one row number, so such blocks build."""
+def test_blocks_of_rows_never_cross_a_row_dim(op, shape):
+    """Scores of 100 (or `seq`) queries per head, 8 rows a block: fused over the row dims, a block's
+    rows crossed from one head to the next, TVM's compute_at bounded them by every row and raised
+    (BERT built for any length fell back on its softmax and LayerNorm). The innermost row dim is
+    split alone, so such blocks build."""
     target = tvm_ext.parse_target(CUDA_TARGET)
     mod = relax_module(op, shape, "float16")
     with warnings.catch_warnings():
