@@ -200,8 +200,9 @@ def _exact_row_indices(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
     def split(n, d):
         """(x, y) with n = x * d + y and 0 <= y < d, or None: y the terms of n that d does not divide."""
-        whole = [t for t in terms(n) if const_int(analyzer.simplify(tirx.floormod(t, d))) == 0]
-        rest = [t for t in terms(n) if not any(t.same_as(w) for w in whole)]
+        parts = terms(n)
+        whole = [t for t in parts if const_int(analyzer.simplify(tirx.floormod(t, d))) == 0]
+        rest = [t for t in parts if not any(t.same_as(w) for w in whole)]
         if not whole or not rest:
             return None
         y = reduce(lambda a, b: a + b, rest)
@@ -220,17 +221,20 @@ def _exact_row_indices(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return tvm_ffi.structural_map(func, [(tirx.FloorDiv, div), (tirx.FloorMod, mod)])
 
 
+def _is_pivot(block) -> bool:
+    return PIVOT in (block.annotations or {})
+
+
 def _pivot_blocks(body) -> list:
     """The blocks of `body` annotated as pivots (contracts.PIVOT)."""
     found = []
-    tvm_ffi.structural_walk(body, (s_tir.SBlock, lambda b: found.append(b) if PIVOT in (b.annotations or {}) else None),
-                            order="pre")
+    tvm_ffi.structural_walk(body, (s_tir.SBlock, lambda b: found.append(b) if _is_pivot(b) else None), order="pre")
     return found
 
 
 def _apart(sch: s_tir.Schedule, infos: list, pivots_apart: bool) -> tuple[list, list]:
     """(infos to inline or match, pivot infos kept apart): the pivots are split off only when asked."""
-    pivots = [i for i in infos if pivots_apart and PIVOT in (sch.get(i.block_rv).annotations or {})]
+    pivots = [i for i in infos if pivots_apart and _is_pivot(sch.get(i.block_rv))]
     return [i for i in infos if not any(i is p for p in pivots)], pivots
 
 
