@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 IMPLS = ["ours", "ours_tuned", "ours_int64", "ours_static", "ours_welford", "ours_two_pass", "ours_one_pass",
          "ours_spelled", "torch_eager", "torch_compile", "tvm_dlight", "torch_eager_spelled", "torch_compile_spelled",
-         "tvm_dlight_spelled"]
+         "tvm_dlight_spelled", "copy"]
 
 
 def _label(row) -> str:
@@ -35,7 +36,8 @@ def markdown(result: dict) -> str:
     strategies = any("strategy" in r for r in result["rows"])
     spelled = "ours_spelled" in impls  # a spelled-out pattern beside the single op: its own two ratios
     cols = ["case", "ours us"] + [f"{i} GB/s" for i in impls] + [
-        "vs torch.compile", "vs dlight", "ours % of copy", "ours err", "kernels ours/dlight"] + (
+        "vs torch.compile", "vs dlight", "ours % of copy", "ours % of same-size copy", "ours err",
+        "kernels ours/dlight"] + (
         ["spelled: single op / spelled", "spelled vs torch.compile (spelled)", "kernels spelled ours/dlight"]
         if spelled else []) + (["strategy"] if strategies else [])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -46,6 +48,7 @@ def markdown(result: dict) -> str:
         gbps = [f"{by_impl[i]['gbps']:.0f}" if "gbps" in by_impl.get(i, {}) else "fail" if i in by_impl else "-"
                 for i in impls]
         pct = f"{100 * ours['gbps'] / result['copy_gbps']:.0f}%" if "gbps" in ours else "-"
+        pct_same = f"{by_impl['copy']['us'] / ours['us']:.0%}" if "us" in ours and "us" in by_impl.get("copy", {}) else "-"
         err = f"{ours['max_abs_err']:.2g}" if "max_abs_err" in ours else "-"
         kern = f"{ours.get('kernels', '-')}/{by_impl.get('tvm_dlight', {}).get('kernels', '-')}"
         us = f"{ours['us']:.1f}" if "us" in ours else "fail"
@@ -55,9 +58,31 @@ def markdown(result: dict) -> str:
                         f"{by_impl.get('ours_spelled', {}).get('kernels', '-')}/"
                         f"{by_impl.get('tvm_dlight_spelled', {}).get('kernels', '-')}"] if spelled else []
         extra = [ours.get("strategy", "-")] if strategies else []
-        lines.append("| " + " | ".join([label, us] + gbps + [speed("torch_compile"), speed("tvm_dlight"), pct, err,
+        lines.append("| " + " | ".join([label, us] + gbps + [speed("torch_compile"), speed("tvm_dlight"), pct, pct_same, err,
                                                               kern] + spelled_cols + extra) + " |")
-    return head + "\n".join(lines) + "\n"
+    return head + "\n".join(lines) + "\n" + summary(result)
+
+
+def _geomean(values: list) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def summary(result: dict) -> str:
+    """Geometric means over the static cases (no symbolic dims) where ours ran: of copy, of the
+    same-size copy, and ours against torch.compile, with the count at or above 1.0x."""
+    static = [by for by in _grouped(result).values() if "us" in by.get("ours", {}) and not by["ours"].get("n")]
+    if not static:
+        return ""
+    parts = [f"{len(static)} static cases: ours {_geomean([b['ours']['gbps'] for b in static]) / result['copy_gbps']:.0%} "
+             "of copy (geometric mean)"]
+    same = [b["copy"]["us"] / b["ours"]["us"] for b in static if "us" in b.get("copy", {})]
+    if same:
+        parts.append(f"{_geomean(same):.0%} of the same-size copy")
+    compiled = [b["torch_compile"]["us"] / b["ours"]["us"] for b in static if "us" in b.get("torch_compile", {})]
+    if compiled:
+        parts.append(f"{_geomean(compiled):.2f}x torch.compile, {sum(r >= 1 for r in compiled)} of {len(compiled)} "
+                     "at 1.0x or more")
+    return "\n" + "; ".join(parts) + ".\n"
 
 
 def plot(result: dict, path: str) -> None:

@@ -51,3 +51,19 @@ def test_a_run_where_no_candidate_could_be_measured_exits_non_zero_and_says_why(
                 "--timeout", "0.001", "--log", str(tmp_path / "t.json"))
     assert done.returncode == 1, done.stderr[-500:]
     assert done.stderr.splitlines()[-1] == "tune.py: no candidate could be measured; the first failure: timed out after 0.001 s"
+
+
+def test_the_report_sums_up_the_static_cases_against_copy_and_torch_compile():
+    from bench.report import markdown  # noqa: PLC0415
+
+    rows = [{"case": "a", "impl": "ours", "us": 10.0, "gbps": 2000.0, "max_abs_err": 0.0, "n": None},
+            {"case": "a", "impl": "torch_compile", "us": 20.0, "gbps": 1000.0, "n": None},
+            {"case": "a", "impl": "copy", "us": 5.0, "gbps": 4000.0, "n": None},
+            {"case": "b", "impl": "ours", "us": 40.0, "gbps": 500.0, "max_abs_err": 0.0, "n": None},
+            {"case": "b", "impl": "torch_compile", "us": 20.0, "gbps": 1000.0, "n": None},
+            {"case": "b", "impl": "copy", "us": 20.0, "gbps": 1000.0, "n": None},
+            {"case": "c", "impl": "ours", "us": 1.0, "gbps": 1.0, "max_abs_err": 0.0, "n": {"n": 1}}]
+    table = markdown({"device": "GPU", "date": "today", "torch": "t", "tvm": "v", "copy_gbps": 4000.0, "rows": rows})
+    assert "| a | 10.0 | 2000 | 1000 | 4000 | 2.00x | - | 50% | 50% |" in table
+    assert table.rstrip().splitlines()[-1] == ("2 static cases: ours 25% of copy (geometric mean); 50% of the same-size "
+                                               "copy; 1.00x torch.compile, 1 of 2 at 1.0x or more.")

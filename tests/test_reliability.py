@@ -85,3 +85,18 @@ def test_float64_is_computed_in_float64(op, shape, rng):
         np.testing.assert_allclose(g.numpy(), want, rtol=1e-12, atol=1e-13)
     source = tvm_ext.cuda_source(tvm_ext.build(relax_module(op, shape, "float64"), CUDA_TARGET))
     assert "double" in source and "float " not in source and "(float)" not in source
+
+
+def test_slices_along_a_negative_axis_of_a_symbolic_shape_build_and_match(rng):
+    """TVM's strided_slice legalization takes a negative axis only for static shapes ("Check failed:
+    axis < src_tensor_dim"); GPT-2 built for any batch slices its position ids along dim -1."""
+    from tvm import relax, tirx  # noqa: PLC0415
+
+    from bench.spelled import main_module  # noqa: PLC0415
+
+    x = relax.Var("x", relax.TensorType([tirx.Var("n", "int64"), WIDTH], "float32"))
+    mod = main_module(lambda bb, x: relax.op.strided_slice(x, [-1], [1], [WIDTH - 3], [2]) * relax.const(2.0), [x])
+    assert "__global__" in tvm_ext.cuda_source(tvm_ext.build(mod, CUDA_TARGET))
+    data = rng.standard_normal([3, WIDTH]).astype("float32")
+    out = VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(data))
+    np.testing.assert_array_equal(out.numpy(), data[:, 1:WIDTH - 3:2] * 2)

@@ -254,6 +254,18 @@ MAX_PRODUCT_EXPONENT = 4
 VARIANCE_ALGORITHMS = ("welford", "two_pass", "one_pass")
 
 
+def legalize_strided_slice(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """relax.strided_slice with its negative axes counted from the front. TVM's legalization takes a
+    negative axis only for static shapes; with a symbolic dim it fails ("Check failed: axis <
+    src_tensor_dim (-1 vs. 2)"): GPT-2 built for any batch slices its position ids with dim=-1."""
+    x, axes, *rest = call.args
+    ndim = x.ty.ndim
+    if ndim > 0 and isinstance(axes, relax.Tuple) and any(int(a.value) < 0 for a in axes.fields):
+        call = relax.op.strided_slice(x, [int(a.value) % ndim for a in axes.fields], *rest,
+                                      assume_inbound=call.attrs.assume_inbound)
+    return tvm.ir.Op.get("relax.strided_slice").get_attr("FLegalize")(bb, call)
+
+
 def legalizations(variance: str = "welford") -> dict:
     """Op name -> legalization for the pipeline.
 
@@ -268,7 +280,8 @@ def legalizations(variance: str = "welford") -> dict:
              "relax.nn.rms_norm": _rms_norm, "relax.std": _std(variance),
              "relax.nn.batch_norm": _batch_norm_training(variance),
              "relax.nn.group_norm": _group_norm(variance), "relax.full": legalize_full, "relax.full_like": legalize_full,
-             "relax.power": legalize_power, "relax.nn.instance_norm": _instance_norm(variance)}
+             "relax.power": legalize_power, "relax.nn.instance_norm": _instance_norm(variance),
+             "relax.strided_slice": legalize_strided_slice}
     if variance != "two_pass":
         table["relax.variance"] = _variance(variance)
     return table

@@ -15,6 +15,7 @@ import tvm
 import tvm_ffi
 from tvm import relax, s_tir, tirx
 
+from tvm_ext import fallback
 from tvm_ext.schedules.analysis import const_int, is_reduce_subgraph, substitute
 
 from .bindings import CALL_TIR
@@ -379,6 +380,10 @@ def _rewrite_block(builder: relax.BlockBuilder, mod, block, used_after: set):
                    if m.binding.var in used_after or any(r != root for r in readers.get(m.index, ()))]
         func, external = _group_function(mod, members, outputs)
         name = "fused_" + "_".join(dict.fromkeys(_name(mod, m) for m in members))
+        unfusable = _fuse_tir_error(mod, func)
+        if unfusable is not None:  # its members stay as FuseOps left them
+            fallback.warn(name[:80], "FuseReduceGroups", unfusable)
+            continue
         gv = builder.add_func(func, name[:80])
         call = relax.Call(gv, external)
         if len(outputs) == 1:
@@ -387,7 +392,26 @@ def _rewrite_block(builder: relax.BlockBuilder, mod, block, used_after: set):
             tup = relax.DataflowVar("fused", relax.TupleType([v.ty for v in outputs]))
             emitted[root] = [relax.VarBinding(tup, call)] + [
                 relax.VarBinding(v, relax.TupleGetItem(tup, i)) for i, v in enumerate(outputs)]
-    return relax.DataflowBlock(_topological(nodes, groups, fused, emitted))
+    fused = {root: members for root, members in fused.items() if root in emitted}
+    return relax.DataflowBlock(_topological(nodes, groups, fused, emitted)) if fused else block
+
+
+def _fuse_tir_error(mod: tvm.IRModule, func: relax.Function) -> Exception | None:
+    """What FuseTIR raises making one kernel of the group function `func`, or None. Its matcher
+    wants each kernel's shapes spelled as the values passed to it (`4 * s` is not `s * 4`), which a
+    group of kernels typed apart may break (Swin's window masks built for any batch)."""
+    builder = relax.BlockBuilder(tvm.IRModule({gv: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}))
+    group = builder.add_func(func, "group")
+    params = [relax.Var(p.name, p.ty) for p in func.params]
+    with builder.function("main", params):
+        with builder.dataflow():
+            out = builder.emit_output(relax.Call(group, params))
+        builder.emit_func_output(out)
+    try:
+        relax.transform.FuseTIR()(builder.get())
+    except Exception as err:  # noqa: BLE001 (whatever it is, the group is not built)
+        return err
+    return None
 
 
 def _topological(nodes, groups, fused, emitted) -> list:
