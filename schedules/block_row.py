@@ -34,7 +34,7 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
         threads = device.warp
         while threads < device.max_threads and threads * 2 * per_thread <= size:
             threads *= 2
-    cache = worth_caching(pattern)
+    cache = worth_caching(pattern, device)
     if not cache and pattern.epilogue is not None and pattern.epilogue.dom_kind() != "S" * pattern.num_spatial:
         threads = min(threads, MAX_THREADS_UNCACHED_EPILOGUE)
     staged = (row_bytes(pattern, cached_inputs(pattern)) or 0) if cache else 0
@@ -62,7 +62,7 @@ def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
     where the row fits shared memory (and its width is static)."""
     if not device.is_gpu or pattern.layout != ROW:
         return []
-    staged = const_int(pattern.reduce_extent) is not None and worth_caching(pattern)
+    staged = const_int(pattern.reduce_extent) is not None and worth_caching(pattern, device)
     return [{"strategy": NAME, "threads": threads, "vec": vec, "cache": cache}
             for threads in (64, 128, 256, 512, 1024) if threads <= device.max_threads
             for vec in vector_choices(pattern)

@@ -9,6 +9,9 @@ from tvm.target import Target
 # Streaming multiprocessors per architecture, for the parts of the heuristics that count waves.
 # Read from the target when it carries it; this table is the fallback for bare `{"kind": "cuda"}`.
 _SM_COUNT = {"sm_70": 80, "sm_75": 40, "sm_80": 108, "sm_86": 84, "sm_89": 128, "sm_90": 132}
+# Shared memory per SM, and the most one block may opt in to (CUDA's tuning guides), in KB.
+_SMEM_PER_SM = {"sm_70": 96, "sm_75": 64, "sm_80": 164, "sm_86": 100, "sm_89": 100, "sm_90": 228, "sm_100": 228}
+_SMEM_PER_BLOCK = {"sm_70": 96, "sm_75": 64, "sm_80": 163, "sm_86": 99, "sm_89": 99, "sm_90": 227, "sm_100": 227}
 
 
 @dataclass(frozen=True)
@@ -20,7 +23,8 @@ class Device:
     sm_count: int
     threads_per_sm: int = 2048  # resident threads per SM (sm_70 .. sm_90)
     registers_per_sm: int = 65536
-    smem_per_sm: int = 228 * 1024  # sm_90; a block also costs 1 KB the driver reserves
+    smem_per_sm: int = 228 * 1024  # a block also costs 1 KB the driver reserves
+    smem_opt_in: int = 227 * 1024  # the most dynamic shared memory a block may opt in to
     wgmma: bool = False  # warpgroup tensor-core instructions: sm_90a targets only
     compute: int = 0  # compute capability x 10 (sm_90a: 90); 0 for CPUs
 
@@ -57,4 +61,6 @@ def device_of(target: Target) -> Device:
         sm_count=_attr(target, "multi_processor_count", _SM_COUNT.get(arch, 80)),
         wgmma=full_arch == "sm_90a",
         compute=int(arch[3:]) if arch[3:].isdigit() else 0,
+        smem_per_sm=_SMEM_PER_SM.get(arch, 228) * 1024,
+        smem_opt_in=_SMEM_PER_BLOCK.get(arch, 64) * 1024,  # unknown: what rows were staged in before
     )

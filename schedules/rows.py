@@ -11,15 +11,15 @@ import tvm_ffi
 from tvm import s_tir, tirx
 
 from .analysis import ReducePattern, const_int
+from .device import Device
 from .contracts import WIDTH_IN_VECTORS
 
 UNROLL = 256
 # TVM 0.27's CUDA codegen emits a broadcast of 8 float32 lanes as make_ulonglong4(8 floats), which
 # nvcc rejects; epilogues compute in float32, so they vectorize by at most 4 lanes (float4).
 MAX_EPILOGUE_LANES = 4
-# Rows staged in shared memory up to this size are measured correct and faster than re-reading
-# them (docs/design.md#row-and-column-templates); larger stages are untried.
-SMEM_CACHE_LIMIT = 64 * 1024
+# Shared memory a stage leaves to what TVM's cross-thread reductions and the driver declare beside it.
+STAGE_RESERVE = 4 * 1024
 # Shared memory a block may use without opting in to more (CUDA's 48 KB, static and dynamic
 # together; all of a static stage's), less 1 KB for what TVM's cross-thread reductions declare
 # beside the stages (a few words per warp and value). TVM's runtime opts a kernel in only where
@@ -134,9 +134,17 @@ def stage_is_bounded(pattern: ReducePattern, rows_per_block: int) -> bool:
     return const_int(pattern.row_count) is not None and sum(d != 1 for d in row_dims) <= 1
 
 
-def worth_caching(pattern: ReducePattern, rows_per_block: int = 1) -> bool:
+def stage_limit(device: Device) -> int:
+    """The largest stage of rows a block takes: all the shared memory a block may opt in to. A row
+    the chain reads twice or more is read from HBM once, even at one block an SM (a row of 100 KB
+    (softmax over GPT-2's 50257 fp16 logits) or 128 KB: re-read, each pass costs as much as the
+    whole staged kernel's reads; docs/design.md#row-and-column-templates)."""
+    return device.smem_opt_in - STAGE_RESERVE
+
+
+def worth_caching(pattern: ReducePattern, device: Device, rows_per_block: int = 1) -> bool:
     size = row_bytes(pattern, cached_inputs(pattern))
-    return bool(size) and size * rows_per_block <= SMEM_CACHE_LIMIT and stage_is_bounded(pattern, rows_per_block)
+    return bool(size) and size * rows_per_block <= stage_limit(device) and stage_is_bounded(pattern, rows_per_block)
 
 
 def let_bound(pattern: ReducePattern) -> bool:

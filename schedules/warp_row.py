@@ -37,7 +37,7 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
     group = (exact or fits or [2])[0]
     rows = rows_dividing(pattern, max(1, threads // group))
     return {"strategy": NAME, "group": group, "rows_per_block": rows, "vec": vec,
-            "cache": worth_caching(pattern, rows)}
+            "cache": worth_caching(pattern, device, rows)}
 
 
 def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
@@ -51,7 +51,7 @@ def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
             for rows in (1, 2, 4, 8, 16, 32) if device.warp <= group * rows <= device.max_threads
             and rows_dividing(pattern, rows) == rows
             for vec in vector_choices(pattern) if group * vec <= n
-            for cache in (False, True) if not cache or worth_caching(pattern, rows)]
+            for cache in (False, True) if not cache or worth_caching(pattern, device, rows)]
 
 
 def apply(pattern: ReducePattern, device: Device, knobs: dict):

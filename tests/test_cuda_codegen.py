@@ -62,6 +62,23 @@ def test_row_read_once_into_shared_memory_with_128bit_loads(case):
     assert re.search(r"= \*\(uint4\*\)\(p0_shared_dyn_ptr \+", src), "reductions take their chunk as one 16-byte read"
 
 
+# rows of 96 KB to 200 KB: a block may opt in to 227 KB on sm_90, 99 KB on sm_86
+LARGE_ROWS = [("softmax", 50257, "float16", 100), ("softmax", 32000, "float32", 128),
+              ("layer_norm", 65536, "float16", 128), ("rms_norm", 100000, "bfloat16", 200),
+              ("layer_norm", 24576, "float32", 96)]
+
+
+@pytest.mark.parametrize("op, width, dtype, kb", LARGE_ROWS, ids=[f"{o}-{w}-{d}" for o, w, d, _ in LARGE_ROWS])
+def test_rows_up_to_the_blocks_shared_memory_are_read_once(op, width, dtype, kb):
+    """A row staged in shared memory is read from HBM once; re-read, each pass of the chain costs a
+    full read (softmax over GPT-2's 50257 logits: four passes over memory instead of two)."""
+    for arch, staged in (("sm_90", True), ("sm_86", kb <= 95)):  # less 4 KB for the reductions
+        src = tvm_ext.cuda_source(tvm_ext.build(relax_module(op, [1024, width], dtype), {"kind": "cuda", "arch": arch}))
+        assert ("extern __shared__" in src) == staged, arch
+        if staged:  # every pass after the first reads the stage
+            assert src.count("p0_ptr[") + src.count("(p0_ptr +") <= 2 * max(1, width // 1024), arch
+
+
 def test_dynamic_rows_compile_to_an_int32_and_an_int64_kernel_with_symbolic_grid():
     case = next(c for c in CASES if c["id"] == "ln-dyn-nx4096-f16")
     ex, src, _ = build_case(case)

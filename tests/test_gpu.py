@@ -59,6 +59,16 @@ def test_odd_widths_on_gpu(op, dtype, width, rng):
     assert_close(outs, refs, dtype)
 
 
+@pytest.mark.parametrize("op, width, dtype", [("softmax", 50257, "float16"), ("softmax", 32000, "float32"),
+                                             ("layer_norm", 65536, "float16"), ("rms_norm", 100000, "bfloat16")])
+def test_rows_staged_up_to_the_blocks_shared_memory_on_gpu(op, width, dtype, rng):
+    shape = [257, width]  # more rows than SMs: one row a block, staged (100 to 200 KB a block)
+    executable = tvm_ext.build(relax_module(op, shape, dtype), "cuda")
+    assert "extern __shared__" in tvm_ext.cuda_source(executable)
+    outs, refs = run_case(executable, tvm.cuda(0), op, shape, dtype, rng)
+    assert_close(outs, refs, dtype)
+
+
 @pytest.mark.parametrize("op, dtype", [("softmax", "float16"), ("rms_norm", "bfloat16"), ("layer_norm", "float32")])
 @pytest.mark.parametrize("width", [64, 1000, 1003, 2560, 16384, 16392, 20001])  # each side of each class bound
 def test_symbolic_width_vector_classes_on_gpu(op, dtype, width, rng):
