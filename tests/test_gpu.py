@@ -69,6 +69,15 @@ def test_rows_staged_up_to_the_blocks_shared_memory_on_gpu(op, width, dtype, rng
     assert_close(outs, refs, dtype)
 
 
+@pytest.mark.parametrize("shape, dtype", [([257, 60000], "float32"), ([257, 151936], "float16"), ([3, 257, 70001], "float32")])
+def test_online_softmax_on_gpu(shape, dtype, rng):
+    """Rows larger than a block's stage take the one-pass (sum, max) statistics, one row a block."""
+    executable = tvm_ext.build(relax_module("softmax", shape, dtype), "cuda")
+    assert "softmax_state" in tvm_ext.cuda_source(executable)
+    outs, refs = run_case(executable, tvm.cuda(0), "softmax", shape, dtype, rng)
+    assert_close(outs, refs, dtype)
+
+
 @pytest.mark.parametrize("op, dtype", [("softmax", "float16"), ("rms_norm", "bfloat16"), ("layer_norm", "float32")])
 @pytest.mark.parametrize("width", [64, 1000, 1003, 2560, 16384, 16392, 20001])  # each side of each class bound
 def test_symbolic_width_vector_classes_on_gpu(op, dtype, width, rng):

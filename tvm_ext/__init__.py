@@ -39,8 +39,9 @@ else:
     from .tir import register_tir_pass, unregister_tir_pass
     from .pipeline import PIPELINE, register, tvm_ext_pipeline
     from .target import parse_target
-    from .relax import welford
+    from .relax import online_softmax, welford
 
     register()
     welford.register()
+    online_softmax.register()
     __all__ = sorted(_RUNTIME + _COMPILER)

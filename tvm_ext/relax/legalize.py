@@ -6,22 +6,49 @@ from functools import reduce
 
 import tvm
 from tvm import relax, te, tirx, topi
+from tvm.target import Target
 
-from . import welford
+from tvm_ext.schedules import grid_sync
+from tvm_ext.schedules.device import device_of
+from tvm_ext.schedules.rows import stage_limit
+
+from . import online_softmax, welford
 
 
 def _softmax_float32_accumulate(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     """TVM's softmax sums exp() in the input dtype; in fp16 a 32k-wide row loses ~3 digits.
 
     Compute in float32 (float64 in float64) and cast back, as PyTorch does; the casts fuse away
-    into the kernel.
+    into the kernel. Rows a GPU kernel will re-read from memory take the online form (one pass for
+    the statistics, online_softmax.py); rows it stages keep max, then sum, read from the stage.
     """
     axis = int(call.attrs.axis)
+    if _rows_reread(call.args[0], axis):
+        return bb.call_te(online_softmax.softmax_te, call.args[0], axis, primfunc_name_hint="softmax")
 
     def softmax(x):
         return topi.cast(topi.nn.softmax(topi.cast(x, welford.accumulator(x.dtype)), axis=axis), x.dtype)
 
     return bb.call_te(softmax, call.args[0], primfunc_name_hint="softmax")
+
+
+def _rows_reread(x: relax.Expr, axis: int) -> bool:
+    """Whether the GPU row templates will read softmax's rows of `x` from memory for each pass:
+    over the last axis, a symbolic width (its width classes are not staged) or a row larger than
+    a block's stage (schedules.rows.stage_limit), unless the rows are few enough for grid_sync,
+    which stages each block's chunk of its row."""
+    target = Target.current(allow_none=True)
+    ndim = x.ty.ndim
+    if target is None or target.kind.name != "cuda" or ndim < 1 or axis % ndim != ndim - 1 or x.ty.shape is None:
+        return False
+    *rows, width = x.ty.shape.values
+    if not isinstance(width, tirx.IntImm):
+        return True
+    device = device_of(target)
+    if all(isinstance(d, tirx.IntImm) for d in rows) \
+            and 2 * reduce(lambda a, b: a * int(b), rows, 1) <= grid_sync.cooperative_slots(device, grid_sync.THREADS):
+        return False
+    return int(width) * tvm.runtime.DataType(x.ty.dtype).bits // 8 > stage_limit(device)
 
 
 def _layer_norm_float32(variance: str):
