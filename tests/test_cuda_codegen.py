@@ -101,7 +101,7 @@ def test_symbolic_row_width_dispatches_between_variants_at_run_time():
     for vector, scalar in (("softmax_v0", "softmax_v1"), ("softmax_v2", "softmax_v3"), ("softmax_v4", "softmax_v5")):
         # widths a multiple of 8 halves: vector stores of whole chunks (4 lanes in the epilogue's float32
         # math: rows.MAX_EPILOGUE_LANES), no per-element tail test
-        assert re.search(r"\*\(half4\*\)\(T_softmax_norm_ptr \+", kernel(vector)), vector
+        assert re.search(r"\*\(half4\*\)\(compute_ptr \+", kernel(vector)), vector
         assert "half4" not in kernel(scalar), scalar
 
 

@@ -34,16 +34,18 @@ def _softmax_float32_accumulate(bb: relax.BlockBuilder, call: relax.Call) -> rel
 
 def _rows_reread(x: relax.Expr, axis: int) -> bool:
     """Whether the GPU row templates will read softmax's rows of `x` from memory for each pass:
-    over the last axis, a symbolic width (its width classes are not staged) or a row larger than
-    a block's stage (schedules.rows.stage_limit), unless the rows are few enough for grid_sync,
-    which stages each block's chunk of its row."""
+    over the last axis, a static row larger than a block's stage (schedules.rows.stage_limit),
+    unless the rows are few enough for grid_sync, which stages each block's chunk of its row.
+    Symbolic widths keep max, then sum: their width classes re-read rows too, but the online
+    form measured 0.98-1.13x there, and slower on few short float32 rows, where its serial
+    update is the time (docs/design.md#online-softmax)."""
     target = Target.current(allow_none=True)
     ndim = x.ty.ndim
     if target is None or target.kind.name != "cuda" or ndim < 1 or axis % ndim != ndim - 1 or x.ty.shape is None:
         return False
     *rows, width = x.ty.shape.values
     if not isinstance(width, tirx.IntImm):
-        return True
+        return False
     device = device_of(target)
     if all(isinstance(d, tirx.IntImm) for d in rows) \
             and 2 * reduce(lambda a, b: a * int(b), rows, 1) <= grid_sync.cooperative_slots(device, grid_sync.THREADS):
