@@ -2,6 +2,7 @@
 
     tvm-ext-tune --model my_model.py --target cuda --trials 64 --log tuning_logs/mine.json
     tvm-ext-tune --model my_model.py ... --resume                    # continue an interrupted run
+    tvm-ext-tune --model my_model.py ... --export-metaschedule ms/   # also a MetaSchedule database
     python scripts/tune.py --model suite:ln-8192x4096-f16 --target llvm --trials 8 --log tuning_logs/ln.json
     python scripts/tune.py --model torch:bert-seq128 --target cuda --trials 64 --log tuning_logs/bert.json
 
@@ -25,6 +26,8 @@ from tvm_ext import _CHECKOUT
 from tvm_ext.records import read_records
 from tvm_ext.target import parse_target
 
+from .metaschedule import export_metaschedule
+from .tasks import extract_tasks
 from .tuner import check_log, model_path, tune_model
 
 EXAMPLES = os.path.join(_CHECKOUT, "examples")  # the repository's; an installed package has none
@@ -113,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--builders", type=int, default=None, help="parallel build processes (default min(8, CPUs))")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a candidate may take to build or run")
     ap.add_argument("--batch", type=int, default=8, help="candidates measured per round")
+    ap.add_argument("--export-metaschedule", metavar="DIR", default=None,
+                    help="also write the log's best record of each task as a MetaSchedule JSONDatabase in DIR "
+                         "(tasks whose kernel a trace cannot replay are listed with the reason)")
     ap.add_argument("--variance", choices=["welford", "tuned"], default="welford",
                     help="tuned: tune each statistic (LayerNorm, variance, ...) with Welford and with two passes, for "
                          'a build with variance="tuned" to take the faster (default: welford)')
@@ -123,9 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target = measuring_target(args.target)
         check_log(args.log, args.resume)  # before the model loads: a log that cannot take records stops here
-        reports = tune_model(load_model(args.model), target, args.trials, args.log, args.resume,
+        model = load_model(args.model)
+        reports = tune_model(model, target, args.trials, args.log, args.resume,
                              args.warm_start, parse_dims(args.dims), args.builders, args.timeout, args.batch,
                              variance=args.variance)
+        exported = (export_metaschedule(args.log, extract_tasks(model, target, variance=args.variance), target,
+                                        args.export_metaschedule) if args.export_metaschedule else None)
     except (ValueError, OSError) as err:
         print(f"{_prog()}: {err}", file=sys.stderr)
         return 2
@@ -135,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         return 143 if isinstance(stop, _Terminated) else 130
     print(table(reports))
     print(f"log: {args.log}   cost model: {model_path(args.log)}")
+    if exported is not None:
+        print(export_summary(exported, args.export_metaschedule))
     if args.trials and all(r.knobs is None for r in reports):
         print(f"{_prog()}: no candidate could be measured; the first failure: {first_error(args.log)}", file=sys.stderr)
         return 1
@@ -160,6 +171,14 @@ def measuring_target(text: str):
         raise ValueError(f"--target {text!r}: no CUDA GPU is visible to measure on; tune on a machine with one, "
                          "or pass --target llvm")
     return target
+
+
+def export_summary(result: dict, out_dir: str) -> str:
+    """What --export-metaschedule wrote, and each task it could not export with the reason."""
+    lines = [f"MetaSchedule database in {out_dir}: {len(result['exported'])} task(s) exported"
+             + (f" ({', '.join(sorted(e['task'] for e in result['exported'].values()))})" if result["exported"] else "")]
+    lines += [f"  not exported: {s['task']}: {s['reason']}" for s in result["skipped"].values()]
+    return "\n".join(lines)
 
 
 def first_error(log: str) -> str:

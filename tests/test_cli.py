@@ -67,3 +67,18 @@ def test_the_report_sums_up_the_static_cases_against_copy_and_torch_compile():
     assert "| a | 10.0 | 2000 | 1000 | 4000 | 2.00x | - | 50% | 50% |" in table
     assert table.rstrip().splitlines()[-1] == ("2 static cases: ours 25% of copy (geometric mean); 50% of the same-size "
                                                "copy; 1.00x torch.compile, 1 of 2 at 1.0x or more.")
+
+
+def test_tuning_exports_a_metaschedule_database_from_the_command_line(tmp_path):
+    model = tmp_path / "small.py"
+    model.write_text("from bench.suite import relax_module\n\n\ndef build_module():\n"
+                     "    return relax_module('softmax', [64, 256], 'float32')\n")
+    done = _run("scripts/tune.py", "--model", str(model), "--target", "llvm", "--trials", "2", "--log",
+                str(tmp_path / "t.json"), "--export-metaschedule", str(tmp_path / "ms"))
+    assert done.returncode == 0, done.stderr[-500:]
+    assert f"MetaSchedule database in {tmp_path / 'ms'}: 1 task(s) exported (softmax)" in done.stdout
+    from tvm.s_tir.meta_schedule.database import JSONDatabase  # noqa: PLC0415
+
+    db = JSONDatabase(path_workload=str(tmp_path / "ms" / "database_workload.json"),
+                      path_tuning_record=str(tmp_path / "ms" / "database_tuning_record.json"))
+    assert len(db.get_all_tuning_records()) == 1
