@@ -69,7 +69,7 @@ def test_the_report_sums_up_the_static_cases_against_copy_and_torch_compile():
                                                "copy; 1.00x torch.compile, 1 of 2 at 1.0x or more.")
 
 
-def test_tuning_exports_a_metaschedule_database_from_the_command_line(tmp_path):
+def test_tuning_writes_a_report_picture_and_exports_a_metaschedule_database(tmp_path):
     model = tmp_path / "small.py"
     model.write_text("from bench.suite import relax_module\n\n\ndef build_module():\n"
                      "    return relax_module('softmax', [64, 256], 'float32')\n")
@@ -77,6 +77,8 @@ def test_tuning_exports_a_metaschedule_database_from_the_command_line(tmp_path):
                 str(tmp_path / "t.json"), "--export-metaschedule", str(tmp_path / "ms"))
     assert done.returncode == 0, done.stderr[-500:]
     assert f"MetaSchedule database in {tmp_path / 'ms'}: 1 task(s) exported (softmax)" in done.stdout
+    assert f"report: {tmp_path / 't.report.png'}" in done.stdout
+    assert (tmp_path / "t.report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from tvm.s_tir.meta_schedule.database import JSONDatabase  # noqa: PLC0415
 
     db = JSONDatabase(path_workload=str(tmp_path / "ms" / "database_workload.json"),
