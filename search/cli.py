@@ -3,6 +3,7 @@
     tvm-ext-tune --model my_model.py --target cuda --trials 64 --log tuning_logs/mine.json
     tvm-ext-tune --model my_model.py ... --resume                    # continue an interrupted run
     tvm-ext-tune --model my_model.py ... --export-metaschedule ms/   # also a MetaSchedule database
+    tvm-ext-tune --model my_model.py ... --rpc-tracker 10.0.0.1:9190 --rpc-key h100   # on TVM's RPC servers
     python scripts/tune.py --model suite:ln-8192x4096-f16 --target llvm --trials 8 --log tuning_logs/ln.json
     python scripts/tune.py --model torch:bert-seq128 --target cuda --trials 64 --log tuning_logs/bert.json
 
@@ -117,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--builders", type=int, default=None, help="parallel build processes (default min(8, CPUs))")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a candidate may take to build or run")
     ap.add_argument("--batch", type=int, default=8, help="candidates measured per round")
+    ap.add_argument("--rpc-tracker", metavar="HOST:PORT", default=None,
+                    help="measure on the servers of TVM's RPC tracker (python -m tvm.exec.rpc_tracker), not on this "
+                         "machine; needs --rpc-key")
+    ap.add_argument("--rpc-key", metavar="KEY", default=None, help="the device key the servers registered under "
+                    "(python -m tvm.exec.rpc_server --tracker HOST:PORT --key KEY)")
     ap.add_argument("--export-metaschedule", metavar="DIR", default=None,
                     help="also write the log's best record of each task as a MetaSchedule JSONDatabase in DIR "
                          "(tasks whose kernel a trace cannot replay are listed with the reason)")
@@ -128,12 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C stops it even where it started with SIGINT
     # ignored (a background job of a script: Python then leaves it ignored)
     try:
-        target = measuring_target(args.target)
+        if (args.rpc_tracker is None) != (args.rpc_key is None):
+            raise ValueError("--rpc-tracker and --rpc-key go together: the tracker's address and the servers' key")
+        rpc = (args.rpc_tracker, args.rpc_key) if args.rpc_tracker else None
+        target = measuring_target(args.target, remote=rpc is not None)
         check_log(args.log, args.resume)  # before the model loads: a log that cannot take records stops here
         model = load_model(args.model)
         reports = tune_model(model, target, args.trials, args.log, args.resume,
                              args.warm_start, parse_dims(args.dims), args.builders, args.timeout, args.batch,
-                             variance=args.variance)
+                             variance=args.variance, rpc=rpc)
         exported = (export_metaschedule(args.log, extract_tasks(model, target, variance=args.variance), target,
                                         args.export_metaschedule) if args.export_metaschedule else None)
     except (ValueError, OSError) as err:
@@ -163,14 +172,14 @@ def _terminated(_signum, _frame):
     raise _Terminated
 
 
-def measuring_target(text: str):
+def measuring_target(text: str, remote: bool = False):
     """The target of --target (a name or a JSON dict), refused in one line when it is not a target
-    or when this machine has no device to measure it on."""
+    or when this machine has no device to measure it on (unless the servers of `remote` measure)."""
     try:
         target = parse_target(json.loads(text) if text.lstrip().startswith("{") else text)
     except json.JSONDecodeError as err:
         raise ValueError(f"--target {text!r} is not valid JSON: {err.msg} at column {err.colno}") from None
-    if target.kind.name == "cuda" and not tvm.cuda(0).exist:
+    if target.kind.name == "cuda" and not remote and not tvm.cuda(0).exist:
         raise ValueError(f"--target {text!r}: no CUDA GPU is visible to measure on; tune on a machine with one, "
                          "or pass --target llvm")
     return target

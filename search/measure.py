@@ -1,6 +1,7 @@
 """Measurement: candidates built in parallel workers (builder) and run one at a time in an isolated
-one (runner), each checked against the reference (check) before it is timed; a crashed or overrunning
-worker is replaced (worker_pool), so a bad candidate costs one trial."""
+one (runner), or on TVM's RPC servers one per server (rpc), each checked against the reference
+(check) before it is timed; a crashed or overrunning worker is replaced (worker_pool), so a bad
+candidate costs one trial."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 import tvm
 
 from .builder import build_candidate
+from .rpc import copy_gbps_rpc, free_servers, run_candidate_rpc
 from .runner import COPY_TIMEOUT_S, copy_gbps, run_candidate
 from .worker_pool import POLL_S, Pool
 
@@ -38,12 +40,19 @@ class Measurer:
     workers across calls (one tuning run) and starts them when created."""
 
     def __init__(self, target, builders: int | None = None, timeout: float = 60.0,
-                 builder=build_candidate, runner=run_candidate):
+                 builder=build_candidate, runner=run_candidate, rpc: tuple[str, str] | None = None):
+        """`rpc`: (tracker HOST:PORT, key): run on the servers the tracker hands out, one runner
+        per free server (search/rpc.py), instead of on this machine's device."""
         self.target_json, self.timeout = str(target), timeout
-        self.overlap = tvm.target.Target(self.target_json).kind.name != "llvm"  # CPU timings would feel builds
-        self.builder, self.runner = builder, runner
+        # CPU timings here would feel the builds; a server's do not
+        self.overlap = rpc is not None or tvm.target.Target(self.target_json).kind.name != "llvm"
+        self.builder, self.runner, self.remote = builder, runner, tuple(rpc or ())
+        if rpc is not None:
+            self.runner, self.copy_runner = run_candidate_rpc, copy_gbps_rpc
+        else:
+            self.copy_runner = copy_gbps
         self.builders = Pool(builders or min(8, os.cpu_count() or 1))
-        self.runners = Pool(1, spare=True)
+        self.runners = Pool(free_servers(*rpc) if rpc is not None else 1, spare=True)
         self.scratch = tempfile.TemporaryDirectory(prefix="tvm_ext_measure_")
         self.seconds = {"measure": 0.0, "run": 0.0}  # wall time measuring, and of it the runner's busy time
         self.runners.warm()
@@ -67,7 +76,7 @@ class Measurer:
                 for i, (lib, zeroed) in built:
                     libs.append(lib)
                     self.runners.submit(i, self.runner, (func_json, self.target_json, dims, self.scratch.name, lib,
-                                                         zeroed), self.timeout)
+                                                         zeroed, *self.remote), self.timeout)
                 built = []
             running = not self.runners.idle
             for i, answer in finished + self.runners.poll():
@@ -87,13 +96,13 @@ class Measurer:
         """Check and time a library built elsewhere (e.g. by MetaSchedule) for `func`, exactly as
         candidates are: same runner, reference, timer."""
         (answer,) = self.runners.map(self.runner, [(tvm.ir.save_json(func), self.target_json, dict(dims or {}),
-                                                    self.scratch.name, lib_path, [])], self.timeout)
+                                                    self.scratch.name, lib_path, [], *self.remote)], self.timeout)
         return _result({}, answer)
 
     def copy_gbps(self) -> float:
         """The device's copy bandwidth, the report's yardstick (not a candidate: the tuner's --timeout
         does not bound it, COPY_TIMEOUT_S does)."""
-        (status, value), = self.runners.map(copy_gbps, [(self.target_json,)], COPY_TIMEOUT_S)
+        (status, value), = self.runners.map(self.copy_runner, [(self.target_json, *self.remote)], COPY_TIMEOUT_S)
         if status != "ok":
             raise RuntimeError(f"could not time a device copy: {value}")
         return value

@@ -94,7 +94,12 @@ def run_candidate(func_json: str, target_json: str, dims: dict, scratch: str, li
 def copy_gbps(target_json: str) -> float:
     """The device's copy bandwidth (bytes read + written per second / 1e9), the yardstick of the tables."""
     target = tvm.target.Target(target_json)
-    device = _device(target)
+    return device_copy_gbps(_device(target), target)
+
+
+def device_copy_gbps(device, target) -> float:
+    """copy_gbps on `device` (this machine's or an RPC server's: the clock runs here, so a server's
+    copies also count one round trip each)."""
     size = 1 << 26 if target.kind.name == "llvm" else 1 << 30
     src, dst = tvm.runtime.empty((size,), "uint8", device), tvm.runtime.empty((size,), "uint8", device)
     best = float("inf")

@@ -82,11 +82,13 @@ def _open_log(log: str, resume: bool) -> list[dict]:
 
 def tune_model(mod, target, trials: int, log: str, resume: bool = False, warm_start=(), dims=None,
                builders: int | None = None, timeout: float = 60.0, batch: int = 8, patience: int = 3,
-               seed: int = 0, progress: bool = True, variance: str = "welford") -> list[TaskReport]:
+               seed: int = 0, progress: bool = True, variance: str = "welford",
+               rpc: tuple[str, str] | None = None) -> list[TaskReport]:
     """Tune every task of `mod` (or of a list of modules) with at most `trials` measurements in all.
 
     `variance`: the build option the log is for; "tuned" tunes the statistics of each variant
-    (Welford and two-pass), so that a build with `variance="tuned"` takes the faster."""
+    (Welford and two-pass), so that a build with `variance="tuned"` takes the faster. `rpc`:
+    (tracker HOST:PORT, key) to measure on the servers of TVM's RPC tracker (search/rpc.py)."""
     if trials < 0:
         raise ValueError(f"trials must be >= 0, not {trials}")
     check_log(log, resume)
@@ -101,7 +103,7 @@ def tune_model(mod, target, trials: int, log: str, resume: bool = False, warm_st
     searches = [TaskSearch(task, target, log, trials, dims, [r for r in logged if r["key"] == task.key],
                            batch=batch, patience=patience, seed=seed) for task in tasks]
     spent = sum(len(s.measured) for s in searches)
-    with Measurer(target, builders=builders, timeout=timeout) as measurer:
+    with Measurer(target, builders=builders, timeout=timeout, rpc=rpc) as measurer:
         tune(searches, measurer.measure, max(0, trials - spent), prior, progress)
         copy = measurer.copy_gbps()
         logger.info("measurement: %.1f s, of which the runner checked and timed for %.1f s",
