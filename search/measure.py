@@ -46,11 +46,8 @@ class Measurer:
         self.target_json, self.timeout = str(target), timeout
         # CPU timings here would feel the builds; a server's do not
         self.overlap = rpc is not None or tvm.target.Target(self.target_json).kind.name != "llvm"
-        self.builder, self.runner, self.remote = builder, runner, tuple(rpc or ())
-        if rpc is not None:
-            self.runner, self.copy_runner = run_candidate_rpc, copy_gbps_rpc
-        else:
-            self.copy_runner = copy_gbps
+        self.builder, self.remote = builder, tuple(rpc or ())
+        self.runner, self.copy_runner = (run_candidate_rpc, copy_gbps_rpc) if rpc is not None else (runner, copy_gbps)
         self.builders = Pool(builders or min(8, os.cpu_count() or 1))
         self.runners = Pool(free_servers(*rpc) if rpc is not None else 1, spare=True)
         self.scratch = tempfile.TemporaryDirectory(prefix="tvm_ext_measure_")

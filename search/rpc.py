@@ -5,7 +5,7 @@ hands out (`python -m tvm.exec.rpc_tracker`, `python -m tvm.exec.rpc_server --tr
 There is one runner per free server at the start, and each candidate asks the tracker for a server
 (waiting in its queue while all are busy), so the runners measure on as many servers at once. A
 server that dies costs the candidate it was running; the tracker no longer hands it out. A hung
-one is the pool's timeout: the runner is replaced and its session closed. The reference is
+one is the pool's timeout: the runner is replaced and its connection closed. The reference is
 computed here once per task; its inputs are uploaded with each candidate."""
 
 from __future__ import annotations
@@ -13,14 +13,11 @@ from __future__ import annotations
 import os
 import socket
 
-import numpy as np
 import tvm
 from tvm import rpc
 
-from .check import check_outputs
-from .runner import REPEAT, device_copy_gbps, expected
+from .runner import REPEAT, check_and_time, device_copy_gbps, expected
 
-SESSION_TIMEOUT_S = 0  # no limit of the server's: the pool's timeout bounds each job
 CONNECT_TIMEOUT_S = 5.0
 
 
@@ -49,42 +46,37 @@ def free_servers(tracker: str, key: str) -> int:
     return free
 
 
-def _session(tracker: str, key: str):
-    """A session on a free server of `key`, waiting in the tracker's queue while all are busy."""
+def _connect(tracker: str, key: str):
+    """A connection to a free server of `key`, waiting in the tracker's queue while all are busy."""
     host, port = parse_tracker(tracker)
-    return rpc.connect_tracker(host, port).request(key, session_timeout=SESSION_TIMEOUT_S)
+    return rpc.connect_tracker(host, port).request(key)  # no time limit of the server's: the pool's bounds each job
 
 
-def _device(session, target):
-    return session.cpu() if target.kind.name == "llvm" else session.device(target.kind.name)
+def _device(remote, target):
+    return remote.cpu() if target.kind.name == "llvm" else remote.device(target.kind.name)
 
 
 def run_candidate_rpc(func_json: str, target_json: str, dims: dict, scratch: str, lib_path: str, zeroed: list,
                       tracker: str, key: str, repeat: int = REPEAT) -> list[float]:
-    """In a runner: upload a built candidate to a server of `key`, check its output against the
-    reference there, time it there (us)."""
+    """In a runner: upload a built candidate to a server of `key`, run it there, check its output
+    against the reference here, time it there (us)."""
     target = tvm.target.Target(target_json)
     want = expected(func_json, dims, tvm.cpu(), scratch)  # computed here, once per task
-    session = _session(tracker, key)
-    device = _device(session, target)
+    remote = _connect(tracker, key)
+    device = _device(remote, target)
     name = os.path.basename(lib_path)
-    session.upload(lib_path)
+    remote.upload(lib_path)
     try:
-        lib = session.load_module(name)
-        outs = [tvm.runtime.tensor(p.numpy(), device) for p in want.poison]  # a skipped element cannot pass
-        zeros = [tvm.runtime.tensor(np.zeros(shape, zdtype), device) for shape, zdtype in zeroed]
-        args = [tvm.runtime.tensor(x.numpy(), device) for x in want.inputs] + zeros + outs
-        lib["main"](*args)
-        check_outputs([out.numpy() for out in outs], want.outputs)
-        number, runs = (10, max(3, repeat // 4)) if target.kind.name == "llvm" else (1, repeat)
-        timer = lib.time_evaluator("main", device, number=number, repeat=runs)
-        return [t * 1e6 for t in timer(*args).results]
+        upload = lambda arrays: [tvm.runtime.tensor(a.numpy(), device) for a in arrays]  # noqa: E731
+        # the poisoned outputs: a candidate that skips an element cannot pass
+        return check_and_time(remote.load_module(name), device, target, upload(want.inputs), upload(want.poison),
+                              want, zeroed, repeat)
     finally:
-        session.remove(name)
+        remote.remove(name)
 
 
 def copy_gbps_rpc(target_json: str, tracker: str, key: str) -> float:
-    """A server's copy bandwidth (runner.device_copy_gbps on a session's device)."""
+    """A server's copy bandwidth (runner.device_copy_gbps on its device)."""
     target = tvm.target.Target(target_json)
-    session = _session(tracker, key)
-    return device_copy_gbps(_device(session, target), target)
+    remote = _connect(tracker, key)
+    return device_copy_gbps(_device(remote, target), target)

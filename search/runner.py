@@ -80,14 +80,23 @@ def run_candidate(func_json: str, target_json: str, dims: dict, scratch: str, li
     outs = [tvm.runtime.empty(p.shape, p.dtype, device) for p in want.poison]
     for poison, out in zip(want.poison, outs):
         poison.copyto(out)  # a candidate that skips an element cannot pass
+    flush = "" if target.kind.name == "llvm" else _l2_flusher(target, device)
+    return check_and_time(lib, device, target, want.inputs, outs, want, zeroed, repeat, flush)
+
+
+def check_and_time(lib, device, target, inputs: list, outs: list, want: Expected, zeroed: list, repeat: int,
+                   flush: str = "") -> list[float]:
+    """Run `lib` on `device` (this machine's or an RPC server's) with `inputs`, zero-filled inputs
+    and the poisoned `outs`, check the outputs against `want`, then time it (us); `flush`: a global
+    function run before each timed call on a GPU."""
     zeros = [tvm.runtime.tensor(np.zeros(shape, zdtype), device) for shape, zdtype in zeroed]
-    args = want.inputs + zeros + outs
+    args = inputs + zeros + outs
     lib["main"](*args)
     check_outputs([out.numpy() for out in outs], want.outputs)
     if target.kind.name == "llvm":
         timer = lib.time_evaluator("main", device, number=10, repeat=max(3, repeat // 4))
     else:
-        timer = lib.time_evaluator("main", device, number=1, repeat=repeat, f_preproc=_l2_flusher(target, device))
+        timer = lib.time_evaluator("main", device, number=1, repeat=repeat, f_preproc=flush)
     return [t * 1e6 for t in timer(*args).results]
 
 
