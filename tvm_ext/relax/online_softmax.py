@@ -11,8 +11,6 @@ docs/design.md#online-softmax."""
 
 from __future__ import annotations
 
-import tvm
-import tvm_ffi
 from tvm import te, tirx
 
 from tvm_ext.schedules import reducers
@@ -20,7 +18,6 @@ from tvm_ext.schedules import reducers
 from .welford import accumulator
 
 NAME = "online_softmax"
-_COMBINER, _IDENTITY = "tvm_ext.online_softmax_combine", "tvm_ext.online_softmax_identity"
 
 
 def combine(a, b):
@@ -35,15 +32,8 @@ def identity(*dtypes):
 
 
 def register() -> None:
-    """Teach the schedule's reducer matcher and the grid templates (schedules.reducers) the merge.
-    Idempotent; the callbacks are global functions so that they outlive the interpreter's shutdown."""
-    if tvm.get_global_func(_COMBINER, allow_missing=True) is not None:
-        return
-    tvm_ffi.register_global_func(_COMBINER, lambda x, y: combine(x, y))
-    tvm_ffi.register_global_func(_IDENTITY, lambda v: identity(*[e.ty for e in v]))
-    tvm.get_global_func("s_tir.schedule.RegisterReducer")(2, tvm.get_global_func(_COMBINER),
-                                                          tvm.get_global_func(_IDENTITY))
-    reducers.register(NAME, combine, identity)
+    """Teach the schedule's reducer matcher and the grid templates (schedules.reducers) the merge. Idempotent."""
+    reducers.register_with_tvm(NAME, 2, combine, identity)
 
 
 _online = te.comm_reducer(lambda a, b: tuple(combine(a, b)), lambda t0, t1: tuple(identity(t0, t1)), name=NAME)

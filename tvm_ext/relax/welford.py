@@ -17,8 +17,6 @@ from tvm.target import Target
 from tvm_ext.schedules import reducers
 from tvm_ext.schedules.contracts import PIVOT
 
-_COMBINER, _IDENTITY = "tvm_ext.welford_combine", "tvm_ext.welford_identity"
-_PAIR_SUM, _PAIR_ZERO = "tvm_ext.pair_sum", "tvm_ext.pair_zero"
 
 
 def combine(a, b):
@@ -48,20 +46,9 @@ def _pair_sum(a, b):
 
 def register() -> None:
     """Teach the schedule's reducer matcher the Welford and (sum, sum of squares) combiners, and
-    the grid templates the Welford merge (schedules.reducers).
-
-    Idempotent. The callbacks are global functions so that they outlive the interpreter's shutdown.
-    """
-    if tvm.get_global_func(_COMBINER, allow_missing=True) is not None:
-        return
-    tvm_ffi.register_global_func(_COMBINER, lambda x, y: combine(x, y))
-    tvm_ffi.register_global_func(_IDENTITY, lambda v: identity(*[e.ty for e in v]))
-    tvm_ffi.register_global_func(_PAIR_SUM, lambda x, y: _pair_sum(x, y))
-    tvm_ffi.register_global_func(_PAIR_ZERO, lambda v: identity(*[e.ty for e in v]))
-    register_reducer = tvm.get_global_func("s_tir.schedule.RegisterReducer")
-    register_reducer(3, tvm.get_global_func(_COMBINER), tvm.get_global_func(_IDENTITY))
-    reducers.register("welford", combine, identity)
-    register_reducer(2, tvm.get_global_func(_PAIR_SUM), tvm.get_global_func(_PAIR_ZERO))
+    the grid templates the Welford merge (schedules.reducers). Idempotent."""
+    reducers.register_with_tvm("welford", 3, combine, identity)
+    reducers.register_with_tvm("pair_sum", 2, _pair_sum, identity, grid=False)
 
 
 _welford = te.comm_reducer(lambda a, b: tuple(combine(a, b)), lambda t0, t1, t2: tuple(identity(t0, t1, t2)),
