@@ -400,7 +400,9 @@ def _fuse_tir_error(mod: tvm.IRModule, func: relax.Function) -> Exception | None
     """What FuseTIR raises making one kernel of the group function `func`, or None. Its matcher
     wants each kernel's shapes spelled as the values passed to it (`4 * s` is not `s * 4`), which a
     group of kernels typed apart may break (Swin's window masks built for any batch)."""
-    builder = relax.BlockBuilder(tvm.IRModule({gv: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}))
+    called = []  # the kernels the group calls: FuseTIR needs no other function of the model
+    tvm_ffi.structural_walk(func.body, (tvm.ir.GlobalVar, called.append), order="pre")
+    builder = relax.BlockBuilder(tvm.IRModule({gv: mod[gv] for gv in called}))
     group = builder.add_func(func, "group")
     params = [relax.Var(p.name, p.ty) for p in func.params]
     with builder.function("main", params):
