@@ -167,8 +167,9 @@ def _slice(node, importer):
     end_size = end.meta.get("val") if isinstance(end, torch.fx.Node) else None
     if isinstance(start, int) and isinstance(step, int) and step == 1 and isinstance(length, torch.SymInt) \
             and isinstance(end_size, torch.SymInt) and length.node.expr == end_size.node.expr - start:
+        axis = args["dim"] % len(node.meta["val"].shape)  # stock TVM's legalization takes no negative axis here
         return importer.block_builder.emit(relax.op.strided_slice(
-            args["self"], [args["dim"]], [start], [args["end"]], [1], assume_inbound=True))
+            args["self"], [axis], [start], [args["end"]], [1], assume_inbound=True))
     return importer._slice(node)
 
 
