@@ -3,6 +3,7 @@ inputs) and whether a candidate's outputs are within dtype-derived bounds of it,
 
 from __future__ import annotations
 
+import fcntl
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -130,19 +131,22 @@ def _conv2d_reference(convolution) -> tirx.PrimFunc:
 
 def reference_arrays(func, dims: dict, path: str) -> list[np.ndarray]:
     """Seeded inputs and the reference's outputs for every parameter of `func`: the reference is
-    built for the CPU and run once, and saved at `path` so that a replaced runner reloads it."""
-    if os.path.exists(path):
-        with np.load(path) as saved:  # bfloat16 comes back as raw 2-byte records: view it again
-            return [saved[f"a{i}"].view(str(p.ty.dtype)) for i, p in enumerate(func.params)]
-    arrays, outputs = _arrays(func, dims), output_count(func)
-    ref = reference(func)
-    lib = tvm.compile(tvm.IRModule({"main": ref.with_attr("global_symbol", "main")}), target="llvm")
-    args = [tvm.runtime.tensor(a.astype(str(p.ty.dtype), copy=False)) for a, p in zip(arrays, ref.params)]
-    lib["main"](*args)
-    arrays[-outputs:] = [a.numpy() for a in args[-outputs:]]
-    np.savez(path + ".tmp.npz", **{f"a{i}": a for i, a in enumerate(arrays)})
-    os.replace(path + ".tmp.npz", path)
-    return arrays
+    built for the CPU and run once, and saved at `path` so that a replaced runner reloads it (runners
+    measuring at once take turns: the first computes it, the others wait and load it)."""
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(path):
+            with np.load(path) as saved:  # bfloat16 comes back as raw 2-byte records: view it again
+                return [saved[f"a{i}"].view(str(p.ty.dtype)) for i, p in enumerate(func.params)]
+        arrays, outputs = _arrays(func, dims), output_count(func)
+        ref = reference(func)
+        lib = tvm.compile(tvm.IRModule({"main": ref.with_attr("global_symbol", "main")}), target="llvm")
+        args = [tvm.runtime.tensor(a.astype(str(p.ty.dtype), copy=False)) for a, p in zip(arrays, ref.params)]
+        lib["main"](*args)
+        arrays[-outputs:] = [a.numpy() for a in args[-outputs:]]
+        np.savez(path + ".tmp.npz", **{f"a{i}": a for i, a in enumerate(arrays)})
+        os.replace(path + ".tmp.npz", path)
+        return arrays
 
 
 ELEMENT_ULPS = 8  # one element may be off by this many ulps of the output dtype at its row's largest value

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import tvm
 
 from .builder import build_candidate
-from .rpc import copy_gbps_rpc, free_servers, run_candidate_rpc
+from .rpc import NoServerError, copy_gbps_rpc, free_servers, run_candidate_rpc
 from .runner import COPY_TIMEOUT_S, copy_gbps, run_candidate
 from .worker_pool import POLL_S, Pool
 
@@ -61,7 +61,7 @@ class Measurer:
         started, libs = time.monotonic(), []
         for i, knobs in enumerate(candidates):
             self.builders.submit(i, self.builder, (func_json, self.target_json, knobs, self.scratch.name), self.timeout)
-        outcome, built, last = {}, [], started
+        outcome, built, jobs, last = {}, [], {}, started
         while not (self.builders.idle and self.runners.idle and not built):
             finished = []
             for i, answer in self.builders.poll():
@@ -72,11 +72,14 @@ class Measurer:
             if self.overlap or self.builders.idle:  # a GPU candidate runs while the others still build
                 for i, (lib, zeroed) in built:
                     libs.append(lib)
-                    self.runners.submit(i, self.runner, (func_json, self.target_json, dims, self.scratch.name, lib,
-                                                         zeroed, *self.remote), self.timeout)
+                    jobs[i] = (func_json, self.target_json, dims, self.scratch.name, lib, zeroed, *self.remote)
+                    self.runners.submit(i, self.runner, jobs[i], self.timeout)
                 built = []
             running = not self.runners.idle
             for i, answer in finished + self.runners.poll():
+                if self._server_gone(answer):  # not the candidate's failure: it goes to another runner
+                    self.runners.submit(i, self.runner, jobs[i], self.timeout)
+                    continue
                 outcome[i] = answer
                 if on_result is not None:
                     on_result(i, _result(candidates[i], answer))
@@ -88,6 +91,15 @@ class Measurer:
             os.unlink(lib)
         self.seconds["measure"] += time.monotonic() - started
         return [_result(knobs, outcome[i]) for i, knobs in enumerate(candidates)]
+
+    def _server_gone(self, answer: tuple) -> bool:
+        """Whether a runner's `answer` says its server is gone; the pool then runs one runner fewer."""
+        if answer[0] == "ok" or not answer[1].startswith(NoServerError.__name__):
+            return False
+        if self.runners.size == 1:
+            raise RuntimeError(f"every RPC server under key {self.remote[1]!r} is gone ({answer[1]})")
+        self.runners.shrink()
+        return True
 
     def time_library(self, func, lib_path: str, dims: dict | None = None) -> Result:
         """Check and time a library built elsewhere (e.g. by MetaSchedule) for `func`, exactly as

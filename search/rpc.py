@@ -2,23 +2,31 @@
 hands out (`python -m tvm.exec.rpc_tracker`, `python -m tvm.exec.rpc_server --tracker HOST:PORT
 --key KEY`), checked there against the reference and timed, as the local runner does.
 
-There is one runner per free server at the start, and each candidate asks the tracker for a server
-(waiting in its queue while all are busy), so the runners measure on as many servers at once. A
-server that dies costs the candidate it was running; the tracker no longer hands it out. A hung
-one is the pool's timeout: the runner is replaced and its connection closed. The reference is
-computed here once per task; its inputs are uploaded with each candidate."""
+There is one runner per free server at the start. Each runner asks the tracker for a server on its
+first job and keeps that connection for the run (a server starts a process, and a CUDA context, per
+connection: seconds with --no-fork, which CUDA servers need), with the task's inputs uploaded once.
+A candidate that fails, hangs or loses its server costs that trial and its runner, whose successor
+connects again; where no server comes free within SERVER_WAIT_S, the server is gone: the pool
+runs one runner fewer and the candidate goes to another (NoServerError). The reference is computed
+here once per task."""
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 
 import tvm
 from tvm import rpc
 
-from .runner import REPEAT, check_and_time, device_copy_gbps, expected
+from .runner import REPEAT, check_and_time, device_copy_gbps, expected, poisoned
 
 CONNECT_TIMEOUT_S = 5.0
+SERVER_WAIT_S = 10.0  # a runner waits this long for a free server before it counts one as gone
+
+
+class NoServerError(RuntimeError):
+    """No server of the key came free in time: a failure of the machinery, not of the candidate."""
 
 
 def parse_tracker(text: str) -> tuple[str, int]:
@@ -46,10 +54,39 @@ def free_servers(tracker: str, key: str) -> int:
     return free
 
 
-def _connect(tracker: str, key: str):
-    """A connection to a free server of `key`, waiting in the tracker's queue while all are busy."""
-    host, port = parse_tracker(tracker)
-    return rpc.connect_tracker(host, port).request(key)  # no time limit of the server's: the pool's bounds each job
+_CONNECTION: dict = {}  # in a runner: its server connection, its device, the current task's tensors there
+
+
+def _connection(tracker: str, key: str, target):
+    """This runner's (remote, device), connected on its first job and kept for the run."""
+    if "remote" not in _CONNECTION:
+        host, port = parse_tracker(tracker)
+        client = rpc.connect_tracker(host, port)
+        deadline = time.monotonic() + SERVER_WAIT_S
+        while client.summary().get("queue_info", {}).get(key, {}).get("free", 0) <= 0:
+            if time.monotonic() > deadline:
+                raise NoServerError(f"no server under key {key!r} came free within {SERVER_WAIT_S:g} s")
+            time.sleep(0.2)
+        remote = client.request(key)  # no time limit of the server's: the pool's bounds each job
+        device = _device(remote, target)
+        try:
+            tvm.runtime.empty((1,), "uint8", device)
+        except Exception as err:  # a forked server's process cannot initialise CUDA
+            if "InitializationError" in str(err):
+                raise RuntimeError(f"the RPC server under key {key!r} cannot initialise CUDA: start CUDA servers "
+                                   "with --no-fork (python -m tvm.exec.rpc_server ... --no-fork)") from None
+            raise
+        _CONNECTION.update(remote=remote, device=device)
+    return _CONNECTION["remote"], _CONNECTION["device"]
+
+
+def _on_server(want, device) -> tuple[list, list]:
+    """The task's inputs and poisoned outputs on the server, uploaded once per task."""
+    if _CONNECTION.get("want") is not want:
+        _CONNECTION.update(want=None, inputs=None, poison=None)  # the last task's tensors freed first
+        upload = lambda arrays: [tvm.runtime.tensor(a.numpy(), device) for a in arrays]  # noqa: E731
+        _CONNECTION.update(want=want, inputs=upload(want.inputs), poison=upload(want.poison))
+    return _CONNECTION["inputs"], _CONNECTION["poison"]
 
 
 def _device(remote, target):
@@ -58,19 +95,17 @@ def _device(remote, target):
 
 def run_candidate_rpc(func_json: str, target_json: str, dims: dict, scratch: str, lib_path: str, zeroed: list,
                       tracker: str, key: str, repeat: int = REPEAT) -> list[float]:
-    """In a runner: upload a built candidate to a server of `key`, run it there, check its output
-    against the reference here, time it there (us)."""
+    """In a runner: upload a built candidate to this runner's server, run it there, check its
+    output against the reference here, time it there (us)."""
     target = tvm.target.Target(target_json)
     want = expected(func_json, dims, tvm.cpu(), scratch)  # computed here, once per task
-    remote = _connect(tracker, key)
-    device = _device(remote, target)
+    remote, device = _connection(tracker, key, target)
+    inputs, poison = _on_server(want, device)
     name = os.path.basename(lib_path)
     remote.upload(lib_path)
     try:
-        upload = lambda arrays: [tvm.runtime.tensor(a.numpy(), device) for a in arrays]  # noqa: E731
-        # the poisoned outputs: a candidate that skips an element cannot pass
-        return check_and_time(remote.load_module(name), device, target, upload(want.inputs), upload(want.poison),
-                              want, zeroed, repeat)
+        return check_and_time(remote.load_module(name), device, target, inputs, poisoned(poison, device), want,
+                              zeroed, repeat)
     finally:
         remote.remove(name)
 
@@ -78,5 +113,4 @@ def run_candidate_rpc(func_json: str, target_json: str, dims: dict, scratch: str
 def copy_gbps_rpc(target_json: str, tracker: str, key: str) -> float:
     """A server's copy bandwidth (runner.device_copy_gbps on its device)."""
     target = tvm.target.Target(target_json)
-    remote = _connect(tracker, key)
-    return device_copy_gbps(_device(remote, target), target)
+    return device_copy_gbps(_connection(tracker, key, target)[1], target)

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import tvm
-from tvm import te
 
 from .check import check_outputs, output_bounds, output_count, reference_arrays
 
@@ -50,26 +49,6 @@ def expected(func_json: str, dims: dict, device, scratch: str) -> Expected:
     return _EXPECTED[key]
 
 
-def _l2_flusher(target, device):
-    """The name of a global function that evicts the GPU's L2 by launching a copy kernel larger than
-    it. A kernel, not a runtime copy: it is queued without waiting, so the timed call that follows
-    starts the moment it ends and the timer sees no launch gap."""
-    name = "tvm_ext.search.flush_l2"
-    if tvm.get_global_func(name, allow_missing=True) is None:
-        a = te.placeholder((FLUSH_BYTES // 4,), "float32", name="a")
-        sch = tvm.s_tir.Schedule(te.create_prim_func([a, te.compute(a.shape, lambda i: a[i] + 1.0, name="b")]))
-        blocks, threads = sch.split(sch.get_loops(sch.get_sblock("b"))[0], [None, 256])
-        sch.bind(blocks, "blockIdx.x")
-        sch.bind(threads, "threadIdx.x")
-        kernel = tvm.compile(sch.mod, target=target)
-        src, dst = (tvm.runtime.empty(a.shape, "float32", device) for _ in range(2))
-
-        def flush(*_args) -> None:  # returns nothing: the timer's C++ caller takes no object back
-            kernel["main"](src, dst)
-        tvm.register_global_func(name, flush, override=True)
-    return name
-
-
 def run_candidate(func_json: str, target_json: str, dims: dict, scratch: str, lib_path: str, zeroed: list,
                   repeat: int = REPEAT) -> list[float]:
     """In the runner: load a built candidate, check its output against the reference, time it (us)."""
@@ -77,18 +56,24 @@ def run_candidate(func_json: str, target_json: str, dims: dict, scratch: str, li
     device = _device(target)
     want = expected(func_json, dims, device, scratch)
     lib = tvm.runtime.load_module(lib_path)
-    outs = [tvm.runtime.empty(p.shape, p.dtype, device) for p in want.poison]
-    for poison, out in zip(want.poison, outs):
-        poison.copyto(out)  # a candidate that skips an element cannot pass
-    flush = "" if target.kind.name == "llvm" else _l2_flusher(target, device)
-    return check_and_time(lib, device, target, want.inputs, outs, want, zeroed, repeat, flush)
+    return check_and_time(lib, device, target, want.inputs, poisoned(want.poison, device), want, zeroed, repeat)
 
 
-def check_and_time(lib, device, target, inputs: list, outs: list, want: Expected, zeroed: list, repeat: int,
-                   flush: str = "") -> list[float]:
+def poisoned(poison: list, device) -> list:
+    """Fresh outputs on `device` holding `poison` (on the same device): a candidate that skips an
+    element cannot pass."""
+    outs = [tvm.runtime.empty(p.shape, p.dtype, device) for p in poison]
+    for p, out in zip(poison, outs):
+        p.copyto(out)
+    return outs
+
+
+def check_and_time(lib, device, target, inputs: list, outs: list, want: Expected, zeroed: list,
+                   repeat: int) -> list[float]:
     """Run `lib` on `device` (this machine's or an RPC server's) with `inputs`, zero-filled inputs
-    and the poisoned `outs`, check the outputs against `want`, then time it (us); `flush`: a global
-    function run before each timed call on a GPU."""
+    and the poisoned `outs`, check the outputs against `want`, then time it (us). On a GPU each
+    timed call follows a copy larger than L2, made by TVM's timer itself on whichever machine
+    runs it, so a server times exactly as this machine does."""
     zeros = [tvm.runtime.tensor(np.zeros(shape, zdtype), device) for shape, zdtype in zeroed]
     args = inputs + zeros + outs
     lib["main"](*args)
@@ -96,7 +81,7 @@ def check_and_time(lib, device, target, inputs: list, outs: list, want: Expected
     if target.kind.name == "llvm":
         timer = lib.time_evaluator("main", device, number=10, repeat=max(3, repeat // 4))
     else:
-        timer = lib.time_evaluator("main", device, number=1, repeat=repeat, f_preproc=flush)
+        timer = lib.time_evaluator("main", device, number=1, repeat=repeat, cache_flush_bytes=FLUSH_BYTES)
     return [t * 1e6 for t in timer(*args).results]
 
 

@@ -150,6 +150,15 @@ class Pool:
                 self.workers[self.workers.index(worker)] = self._fresh()
         return ended
 
+    def shrink(self) -> None:
+        """Run one worker fewer from now on (an idle one is stopped)."""
+        self.size -= 1
+        idle = next((w for w in self.workers if w not in self.busy), None)
+        if idle is not None:
+            self.workers.remove(idle)
+            idle.stop()
+            idle.close()
+
     def map(self, fn, jobs: list, timeout: float) -> list:
         """(status, value) of fn(*args) for each args of `jobs`, in order."""
         for i, args in enumerate(jobs):

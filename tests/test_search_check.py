@@ -170,3 +170,22 @@ def test_both_outputs_of_add_rms_norm_are_checked_and_tvms_own_builds_pass(tmp_p
     assert residual.us == [] and "wrong result: output 0 (T_add_intermediate_1_2, float16)" in residual.error
     assert norm.us == [] and "wrong result: output 1 (T_multiply_intermediate_1, float16)" in norm.error
     assert [r.error for r in theirs] == [None, None, None] and all(r.best_us > 0 for r in theirs)
+
+
+def _reference_in_a_runner(func_json: str, path: str) -> list:
+    from tvm_ext.search.check import reference_arrays  # noqa: PLC0415
+
+    return [a.tobytes() for a in reference_arrays(tvm.ir.load_json(func_json), {}, path)]
+
+
+def test_runners_that_need_one_reference_at_once_take_turns(tmp_path):
+    """Two runners (two RPC servers) start on a task together: one computes the reference, the
+    other waits and loads it; neither fails on the other's files."""
+    import multiprocessing  # noqa: PLC0415
+
+    (task,) = extract_tasks(relax_module("softmax", [512, 2000], "float32"), tvm_ext.parse_target("llvm"))
+    path = str(tmp_path / "reference.npz")
+    with multiprocessing.get_context("fork").Pool(3) as pool:
+        results = pool.starmap(_reference_in_a_runner, [(tvm.ir.save_json(task.func), path)] * 3)
+    assert results[0] == results[1] == results[2] and len(results[0]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reference.npz", "reference.npz.lock"]
