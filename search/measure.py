@@ -14,8 +14,10 @@ import tvm
 
 from .builder import build_candidate
 from .rpc import NoServerError, copy_gbps_rpc, free_servers, run_candidate_rpc
-from .runner import COPY_TIMEOUT_S, copy_gbps, run_candidate
+from .runner import COPY_TIMEOUT_S, copy_gbps, prepare_reference, reference_path, run_candidate
 from .worker_pool import POLL_S, Pool
+
+REFERENCE = "reference"  # the builders' job that computes the task's reference ahead of the runner
 
 
 @dataclass
@@ -59,12 +61,16 @@ class Measurer:
         """One Result per candidate, in order; `on_result(i, result)` is called as candidate i finishes."""
         func_json, dims = tvm.ir.save_json(func), dict(dims or {})
         started, libs = time.monotonic(), []
+        if not os.path.exists(reference_path(func_json, dims, self.scratch.name)):  # first: the runner needs it first
+            self.builders.submit(REFERENCE, prepare_reference, (func_json, dims, self.scratch.name), self.timeout)
         for i, knobs in enumerate(candidates):
             self.builders.submit(i, self.builder, (func_json, self.target_json, knobs, self.scratch.name), self.timeout)
         outcome, built, jobs, last = {}, [], {}, started
         while not (self.builders.idle and self.runners.idle and not built):
             finished = []
             for i, answer in self.builders.poll():
+                if i == REFERENCE:  # if it failed, the runner computes the reference itself
+                    continue
                 if answer[0] == "ok":
                     built.append((i, answer[1]))
                 else:

@@ -32,14 +32,26 @@ class Expected:
 _EXPECTED: dict = {}  # in a runner: the current task's Expected
 
 
+def reference_path(func_json: str, dims: dict, scratch: str) -> str:
+    """Where a task's inputs and reference outputs are kept for the run."""
+    key = hashlib.sha1(f"{func_json}{sorted(dims.items())}".encode()).hexdigest()
+    return os.path.join(scratch, f"reference-{key}.npz")
+
+
+def prepare_reference(func_json: str, dims: dict, scratch: str) -> None:
+    """In a builder: compute a task's reference while the other builders build its candidates, so
+    that the runner loads it instead of computing it between two runs."""
+    reference_arrays(tvm.ir.load_json(func_json), dims, reference_path(func_json, dims, scratch))
+
+
 def expected(func_json: str, dims: dict, device, scratch: str) -> Expected:
     """The task's Expected, computed once per task (one task at a time is kept on the device)."""
-    key = hashlib.sha1(f"{func_json}{sorted(dims.items())}".encode()).hexdigest()
+    key = reference_path(func_json, dims, scratch)
     if key not in _EXPECTED:
         _EXPECTED.clear()  # free the last task's device memory
         func = tvm.ir.load_json(func_json)
         outputs = output_count(func)
-        arrays = reference_arrays(func, dims, os.path.join(scratch, f"reference-{key}.npz"))
+        arrays = reference_arrays(func, dims, key)
         params, wants = func.params[-outputs:], arrays[-outputs:]
         _EXPECTED[key] = Expected(
             [tvm.runtime.tensor(a, device) for a in arrays[:-outputs]],

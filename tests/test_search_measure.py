@@ -69,6 +69,22 @@ def test_good_candidates_are_timed_and_checked():
     assert all(len(r.us) >= 3 and 0 < r.best_us < 1e5 for r in results)
 
 
+def runner_finding_the_reference_ready(func_json, target_json, dims, scratch, *args):
+    """The real runner, after checking that a builder computed the task's reference before it."""
+    from tvm_ext.search.runner import reference_path  # noqa: PLC0415
+
+    if not os.path.exists(reference_path(func_json, dims, scratch)):
+        raise AssertionError("the runner had to compute the reference itself")
+    return run_candidate(func_json, target_json, dims, scratch, *args)
+
+
+def test_a_builder_computes_the_reference_before_the_runner_needs_it():
+    t = task()
+    results = measure(t.func, TARGET, knob_space(t.func, TARGET)[:2], timeout=120, builders=2,
+                      runner=runner_finding_the_reference_ready)
+    assert [r.error for r in results] == [None, None]
+
+
 def test_a_crash_or_a_hang_costs_one_trial_and_the_next_candidate_still_runs():
     t = task()
     with Measurer(TARGET, builders=1, timeout=120) as measurer:
