@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import tvm
 import tvm_ffi
-from tvm import tirx
+from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad, TensorRegion
 from tvm.ir.prim.expr import Cast
 
@@ -33,6 +33,19 @@ def task_bytes(func, dims: dict | None = None) -> int:
     """Bytes of every parameter buffer: what must cross memory at least once."""
     return sum(int(np.prod(_concrete(p.shape, dims or {}))) * tvm.DataType(str(p.ty.dtype)).bits // 8
                for p in func.params)
+
+
+def task_flops(func, dims: dict | None = None) -> int:
+    """Floating-point operations of a task's tensor-core work: 2 x the multiply-adds of its block
+    `c += cast(a) * cast(b)` over two low-precision tensors (a matmul's or a convolution's); 0 for
+    tasks without one (norms, softmax, sums)."""
+    blocks = []
+    tvm_ffi.structural_walk(func.body, (s_tir.SBlock, blocks.append), order="pre")
+    for block in blocks:
+        loads = multiply_accumulate(block.body)
+        if loads and not loads[0].source.same_as(loads[1].source):
+            return 2 * int(np.prod(_concrete([iv.dom.extent for iv in block.iter_vars], dims or {})))
+    return 0
 
 
 def _random(rng, shape, dtype: str) -> np.ndarray:

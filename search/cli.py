@@ -28,7 +28,7 @@ from tvm_ext.records import read_records
 from tvm_ext.target import parse_target
 
 from .metaschedule import export_metaschedule
-from .report import report_path, write_report
+from .report import report_path, tensor_peak_tflops, write_report
 from .tasks import extract_tasks
 from .tuner import check_log, model_path, tune_model
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
               f"measurement is in {args.log}: add --resume to continue", file=sys.stderr)
         return 143 if isinstance(stop, _Terminated) else 130
     print(table(reports))
-    picture = write_report(args.log, reports, report_path(args.log))
+    picture = write_report(args.log, reports, report_path(args.log), tensor_peak_tflops(target))
     print(f"log: {args.log}   cost model: {model_path(args.log)}   "
           + (f"report: {picture}" if picture else "no report picture: matplotlib is not installed"))
     if exported is not None:

@@ -1,6 +1,7 @@
 """A picture of a tuning run, beside its log: per task, the best latency so far against the task's
-trials (from the log, in the order they were measured), and the bandwidth of each task's best
-candidate against the device's copy."""
+trials (from the log, in the order they were measured), the bandwidth of each task's best
+candidate against the device's copy, and for tasks with tensor-core work (matmuls, convolutions)
+its TFLOP/s against the architecture's tensor-core peak."""
 
 from __future__ import annotations
 
@@ -8,6 +9,16 @@ import math
 import os
 
 from tvm_ext.records import read_records
+
+
+# Dense fp16/bf16 tensor-core peak with float32 accumulation, TFLOP/s, of each architecture's
+# data-centre part (vendor datasheets: A100 SXM, H100 SXM; the H200 has the H100's). Others: no line.
+TENSOR_PEAK_TFLOPS = {"sm_80": 312.0, "sm_90": 989.0}
+
+
+def tensor_peak_tflops(target) -> float | None:
+    """The tensor-core peak the picture draws for `target`, where the table knows its architecture."""
+    return TENSOR_PEAK_TFLOPS.get(str(target.attrs.get("arch", "")).rstrip("a")) if target.kind.name == "cuda" else None
 
 
 def report_path(log: str) -> str:
@@ -25,8 +36,9 @@ def best_so_far(log: str) -> dict:
     return curves
 
 
-def write_report(log: str, reports: list, path: str) -> str | None:
-    """Draw the run of `log` (with the tuner's TaskReports) to `path`; None where matplotlib is not installed."""
+def write_report(log: str, reports: list, path: str, peak_tflops: float | None = None) -> str | None:
+    """Draw the run of `log` (with the tuner's TaskReports) to `path`; None where matplotlib is not
+    installed. A third panel shows the tasks with tensor-core work, against `peak_tflops` where given."""
     try:
         import matplotlib  # noqa: PLC0415
         import matplotlib.ticker  # noqa: PLC0415
@@ -35,7 +47,9 @@ def write_report(log: str, reports: list, path: str) -> str | None:
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
         return None
-    fig, (trials, bandwidth) = plt.subplots(1, 2, figsize=(13, max(4.5, 0.35 * len(reports))))
+    matmuls = [r for r in reports if r.knobs is not None and r.tflops > 0]
+    fig, axes = plt.subplots(1, 3 if matmuls else 2, figsize=(19 if matmuls else 13, max(4.5, 0.35 * len(reports))))
+    trials, bandwidth = axes[:2]
     for name, best in best_so_far(log).values():
         points = [(i + 1, us) for i, us in enumerate(best) if us < math.inf]
         if points:
@@ -46,14 +60,24 @@ def write_report(log: str, reports: list, path: str) -> str | None:
     if trials.get_legend_handles_labels()[0]:
         trials.legend(fontsize=7)
     measured = [r for r in reports if r.knobs is not None and r.gbps > 0]
-    bandwidth.barh([r.name for r in measured], [r.gbps for r in measured])
     copy = next((r.gbps / r.copy_fraction for r in measured if r.copy_fraction), None)
-    if copy:
-        bandwidth.axvline(copy, color="black", linestyle="--", label=f"device copy {copy:.0f} GB/s")
-        bandwidth.legend(fontsize=7)
-    bandwidth.set(xlabel="GB/s of the best candidate", title="bandwidth reached")
+    _bars(bandwidth, measured, [r.gbps for r in measured], copy and (copy, f"device copy {copy:.0f} GB/s"),
+          "GB/s of the best candidate", "bandwidth reached")
+    if matmuls:
+        _bars(axes[2], matmuls, [r.tflops for r in matmuls],
+              peak_tflops and (peak_tflops, f"tensor-core peak {peak_tflops:.0f} TFLOP/s"),
+              "TFLOP/s of the best candidate", "tensor-core work")
     fig.suptitle(f"tuning run: {os.path.basename(log)}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _bars(ax, reports: list, values: list, line, xlabel: str, title: str) -> None:
+    """Horizontal bars of `values` per task, with a dashed yardstick `line` (value, label) where given."""
+    ax.barh([r.name for r in reports], values)
+    if line:
+        ax.axvline(line[0], color="black", linestyle="--", label=line[1])
+        ax.legend(fontsize=7)
+    ax.set(xlabel=xlabel, title=title)

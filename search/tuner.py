@@ -14,7 +14,7 @@ from tvm_ext.records import read_records
 from tvm_ext.target import parse_target
 
 from .cost_model import CostModel, logged_groups
-from .check import task_bytes
+from .check import task_bytes, task_flops
 from .measure import Measurer
 from .scheduler import tune
 from .strategy import TaskSearch
@@ -38,6 +38,7 @@ class TaskReport:
     gbps: float
     copy_fraction: float
     knobs: dict | None
+    tflops: float = 0.0  # of the best candidate, for tasks with tensor-core work (check.task_flops)
 
     @property
     def speedup(self) -> float | None:
@@ -117,8 +118,10 @@ def tune_model(mod, target, trials: int, log: str, resume: bool = False, warm_st
 
 def _report(search: TaskSearch, dims, copy_gbps: float) -> TaskReport:
     best, heuristic = search.best, search.heuristic_result
-    gbps = task_bytes(search.task.func, dims) / best.best_us / 1e3 if best else 0.0
+    func = search.task.func
+    gbps = task_bytes(func, dims) / best.best_us / 1e3 if best else 0.0
     return TaskReport(search.task.name, search.task.weight, len(search.measured),
                       best.best_us if best else float("inf"),
                       heuristic.best_us if heuristic and heuristic.error is None else None,
-                      gbps, gbps / copy_gbps, best.knobs if best else None)
+                      gbps, gbps / copy_gbps, best.knobs if best else None,
+                      task_flops(func, dims) / best.best_us / 1e6 if best else 0.0)
