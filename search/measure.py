@@ -103,7 +103,7 @@ class Measurer:
         if answer[0] == "ok" or not answer[1].startswith(NoServerError.__name__):
             return False
         if self.runners.size == 1:
-            raise RuntimeError(f"every RPC server under key {self.remote[1]!r} is gone ({answer[1]})")
+            raise ConnectionError(f"every RPC server under key {self.remote[1]!r} is gone ({answer[1]})")
         self.runners.shrink()
         return True
 
