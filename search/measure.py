@@ -18,6 +18,7 @@ from .runner import COPY_TIMEOUT_S, copy_gbps, prepare_reference, reference_path
 from .worker_pool import POLL_S, Pool
 
 REFERENCE = "reference"  # the builders' job that computes the task's reference ahead of the runner
+REFERENCE_TIMEOUT_S = 600.0  # what that job may take (a large layer's CPU reference: tens of seconds)
 
 
 @dataclass
@@ -61,8 +62,12 @@ class Measurer:
         """One Result per candidate, in order; `on_result(i, result)` is called as candidate i finishes."""
         func_json, dims = tvm.ir.save_json(func), dict(dims or {})
         started, libs = time.monotonic(), []
-        if not os.path.exists(reference_path(func_json, dims, self.scratch.name)):  # first: the runner needs it first
-            self.builders.submit(REFERENCE, prepare_reference, (func_json, dims, self.scratch.name), self.timeout)
+        # first: the runners start on the task once its reference is there, so it never counts
+        # against a candidate's timeout (the reference of a large layer takes longer than a build)
+        referencing = not os.path.exists(reference_path(func_json, dims, self.scratch.name))
+        if referencing:
+            self.builders.submit(REFERENCE, prepare_reference, (func_json, dims, self.scratch.name),
+                                 max(self.timeout, REFERENCE_TIMEOUT_S))
         for i, knobs in enumerate(candidates):
             self.builders.submit(i, self.builder, (func_json, self.target_json, knobs, self.scratch.name), self.timeout)
         outcome, built, jobs, last = {}, [], {}, started
@@ -70,12 +75,13 @@ class Measurer:
             finished = []
             for i, answer in self.builders.poll():
                 if i == REFERENCE:  # if it failed, the runner computes the reference itself
+                    referencing = False
                     continue
                 if answer[0] == "ok":
                     built.append((i, answer[1]))
                 else:
                     finished.append((i, answer))
-            if self.overlap or self.builders.idle:  # a GPU candidate runs while the others still build
+            if not referencing and (self.overlap or self.builders.idle):  # a GPU candidate runs while others build
                 for i, (lib, zeroed) in built:
                     libs.append(lib)
                     jobs[i] = (func_json, self.target_json, dims, self.scratch.name, lib, zeroed, *self.remote)

@@ -6,6 +6,7 @@ import os
 import time
 
 import numpy as np
+import pytest
 import tvm
 
 import tvm_ext
@@ -78,10 +79,13 @@ def runner_finding_the_reference_ready(func_json, target_json, dims, scratch, *a
     return run_candidate(func_json, target_json, dims, scratch, *args)
 
 
-def test_a_builder_computes_the_reference_before_the_runner_needs_it():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_builder_computes_the_reference_before_the_runner_needs_it(overlap):
+    """Also where candidates run while others build (a GPU's runner): not before the reference is there."""
     t = task()
-    results = measure(t.func, TARGET, knob_space(t.func, TARGET)[:2], timeout=120, builders=2,
-                      runner=runner_finding_the_reference_ready)
+    with Measurer(TARGET, builders=2, timeout=120, runner=runner_finding_the_reference_ready) as measurer:
+        measurer.overlap = overlap
+        results = measurer.measure(t.func, knob_space(t.func, TARGET)[:2])
     assert [r.error for r in results] == [None, None]
 
 
