@@ -1,7 +1,7 @@
 """Measurement on TVM's RPC servers (search/rpc.py): a tracker and two llvm servers on 127.0.0.1,
 started here and stopped at the end. Candidates are checked and timed there, a wrong one is an
-error, a server killed mid-run costs at most the candidate it ran and leaves the pool, and the
-command line refuses a tracker that is not there in one line."""
+error, a server killed mid-run costs at most the candidate it ran, and the command line refuses a
+tracker that is not there in one line."""
 
 import os
 import signal
@@ -96,7 +96,6 @@ def test_a_server_killed_mid_run_costs_at_most_the_candidate_it_ran(servers):
                 _stop(procs[0])
                 killed.append(True)
         results = measurer.measure(t.func, candidates, on_result=kill_one)
-        assert measurer.runners.size == 1, "the killed server left the pool"
     assert killed
     errors = [r.error for r in results if r.error is not None]
     assert len(errors) <= 1, errors
