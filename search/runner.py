@@ -46,19 +46,19 @@ def prepare_reference(func_json: str, dims: dict, scratch: str) -> None:
 
 def expected(func_json: str, dims: dict, device, scratch: str) -> Expected:
     """The task's Expected, computed once per task (one task at a time is kept on the device)."""
-    key = reference_path(func_json, dims, scratch)
-    if key not in _EXPECTED:
+    path = reference_path(func_json, dims, scratch)  # one per task and dims: also the key here
+    if path not in _EXPECTED:
         _EXPECTED.clear()  # free the last task's device memory
         func = tvm.ir.load_json(func_json)
         outputs = output_count(func)
-        arrays = reference_arrays(func, dims, key)
+        arrays = reference_arrays(func, dims, path)
         params, wants = func.params[-outputs:], arrays[-outputs:]
-        _EXPECTED[key] = Expected(
+        _EXPECTED[path] = Expected(
             [tvm.runtime.tensor(a, device) for a in arrays[:-outputs]],
             [output_bounds(w, str(p.ty.dtype), p.name) for w, p in zip(wants, params)],
             [tvm.runtime.tensor(np.full(w.shape, np.nan if "float" in str(w.dtype) else -7, w.dtype), device)
              for w in wants])
-    return _EXPECTED[key]
+    return _EXPECTED[path]
 
 
 def run_candidate(func_json: str, target_json: str, dims: dict, scratch: str, lib_path: str, zeroed: list,
