@@ -20,14 +20,17 @@ VECTOR_BYTES = 16  # one load a thread for a few rows of Welford: LayerNorm [1, 
 MAX_THREADS_UNCACHED_EPILOGUE = 512
 
 
-def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
+def default_knobs(pattern: ReducePattern, device: Device, few_rows: bool | None = None) -> dict | None:
+    """The heuristic's knobs; `few_rows`: for fewer rows than SMs (None: as the row count says, many
+    where it is symbolic)."""
     if not device.is_gpu or pattern.layout != ROW:
         return None
     size = row_bytes(pattern, pattern.input_buffers()[:1])
     rows = const_int(pattern.row_count)
     # fewer rows than SMs (a decoding step's LayerNorm): the time is the latency of each thread's
     # serial chain of updates, long for a state of several values (Welford's), not the bandwidth
-    few_rows = rows is not None and rows < device.sm_count
+    if few_rows is None:
+        few_rows = rows is not None and rows < device.sm_count
     per_thread = VECTOR_BYTES if few_rows and let_bound(pattern) else BYTES_PER_THREAD
     threads = 256
     if size is not None:

@@ -50,6 +50,18 @@ def width_classes(pattern) -> list[tuple]:
     return classes
 
 
+def few_rows_class(func: tirx.PrimFunc, pattern, device, knobs: dict) -> tuple | None:
+    """(condition, knobs, Schedule) of a kernel for fewer rows than SMs, where the row count is
+    symbolic and block_row, picked for many rows with `knobs`, takes such rows otherwise: a decoding
+    step's norm (one row, a few sequences) is bound by each block's latency, not by bandwidth;
+    None where the same kernel serves both."""
+    if knobs["strategy"] != block_row.NAME:
+        return None
+    few = block_row.default_knobs(pattern, device, few_rows=True)
+    sch = None if few == knobs else block_row.apply(match(func), device, few)
+    return None if sch is None else (pattern.row_count < device.sm_count, few, sch)
+
+
 def in_vectors(func: tirx.PrimFunc, width, lanes: int) -> tirx.PrimFunc | None:
     """`func` with its symbolic row width `width` spelled `width_vectors * lanes`, `width_vectors`
     a new scalar parameter before the outputs (attr WIDTH_IN_VECTORS: the call site passes
@@ -97,7 +109,10 @@ def _plan(func, target, build: bool) -> list[tuple]:
         return [(condition, knobs, _width_class_schedule(func, target, extent, knobs) if build else None)
                 for condition, knobs in width_classes(pattern)]
     found = _first_applicable(func, pattern, device)
-    return [(None, *found)] if found else []
+    if not found:
+        return []
+    few = few_rows_class(func, pattern, device, found[0]) if const_int(pattern.row_count) is None else None
+    return ([few] if few else []) + [(None, *found)]
 
 
 def _width_class_schedule(func, target, width, knobs) -> s_tir.Schedule | None:

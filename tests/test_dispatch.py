@@ -75,6 +75,21 @@ def test_symbolic_width_plans_three_classes_each_with_a_vector_kernel():
     assert [k["vec"] for _, k in plan] == [8, 1] * 3
 
 
+def test_a_symbolic_row_count_gets_a_kernel_for_fewer_rows_than_sms():
+    """A LayerNorm over [n, 4096] or [b, s, 8192]: fewer rows than SMs (a decoding step) take
+    block_row's few-row block, one or two 16-byte vectors a lane, the rest its bandwidth block. RMSNorm (no
+    Welford state) and rows warp_row takes pick alike for both: one kernel."""
+    sm_count = device_of(TARGET).sm_count
+    for shape, rows in ((["n", 4096], "n"), (["b", "s", 8192], "b * s")):
+        (plan,) = plans("layer_norm", shape, "float16").values()
+        assert [str(cond) for cond, _ in plan] == [f"{rows} < T.int64({sm_count})", "None"]
+        (_, few), (_, many) = plan
+        assert few["threads"] > many["threads"] and few["threads"] * few["vec"] >= shape[-1] // 2
+    for op, shape in (("rms_norm", ["n", 4096]), ("layer_norm", ["n", 1024]), ("softmax", ["n", 4096])):
+        (plan,) = plans(op, shape, "float16").values()
+        assert [cond for cond, _ in plan] == [None], (op, shape)
+
+
 def test_vector_width_classes_follow_the_narrowest_input():
     (plan,) = plans("softmax", ["b", "s"], "float32").values()
     assert [k["vec"] for _, k in plan] == [4, 1] * 3  # 16 bytes of float32
