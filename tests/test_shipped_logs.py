@@ -1,0 +1,40 @@
+"""The tuning logs shipped in tuning_logs/ still describe today's pipeline: every record is a task
+the pipeline extracts for the log's model and target (tuning_logs/index.json), with today's feature
+schema and knobs its template accepts. A change to fusion, task identity, features or knob spaces
+that strands a log fails here; tuning_logs/README.md has the command that regenerates it."""
+
+import json
+import os
+
+import pytest
+
+import tvm_ext
+from tvm_ext.records import read_records
+from tvm_ext.schedules.dispatch import knobs_problem
+from tvm_ext.search.cli import load_model
+from tvm_ext.search.features import SCHEMA
+from tvm_ext.search.tasks import extract_tasks
+
+LOGS = os.path.join(os.path.dirname(__file__), os.pardir, "tuning_logs")
+with open(os.path.join(LOGS, "index.json"), encoding="utf-8") as f:
+    INDEX = json.load(f)
+
+
+def test_the_index_lists_every_shipped_log():
+    assert sorted(INDEX) == sorted(name for name in os.listdir(LOGS) if name.endswith(".json") and name != "index.json")
+
+
+@pytest.mark.parametrize("name", sorted(INDEX))
+def test_a_shipped_log_matches_the_tasks_its_model_has_today(name):
+    entry = INDEX[name]
+    target = tvm_ext.parse_target(entry["target"])
+    tasks = {task.key: task for task in extract_tasks(load_model(entry["model"]), target)}
+    records = list(read_records(os.path.join(LOGS, name)))
+    assert records, f"{name} has no usable record"
+    stale = sorted({r["task"] for r in records if r["key"] not in tasks})
+    assert not stale, f"{name}: tasks {stale} are no longer tasks of {entry['model']}: regenerate the log"
+    schemas = {r["features"]["schema"] for r in records if r.get("features")}
+    assert schemas == {SCHEMA}, f"{name}: feature schemas {schemas}, today's {SCHEMA}: regenerate the log"
+    problems = {r["task"]: knobs_problem(tasks[r["key"]].func, target, r["knobs"]) for r in records}
+    assert not any(problems.values()), f"{name}: {problems}"
+    assert len({r["key"] for r in records}) >= len(tasks) // 2, f"{name} tunes fewer than half of its tasks"
