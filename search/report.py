@@ -53,12 +53,12 @@ def write_report(log: str, reports: list, path: str, peak_tflops: float | None =
     for name, best in best_so_far(log).values():
         points = [(i + 1, us) for i, us in enumerate(best) if us < math.inf]
         if points:
-            trials.step(*zip(*points), where="post", label=name)
+            trials.step(*zip(*points), where="post", label=_short(name))
     trials.set(xlabel="trials of the task", ylabel="best latency so far (us)", yscale="log",
                title="best candidate against trials")
     trials.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    if trials.get_legend_handles_labels()[0]:
-        trials.legend(fontsize=7)
+    if trials.get_legend_handles_labels()[0]:  # below the panel: inside, it hides the lines
+        trials.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22))
     measured = [r for r in reports if r.knobs is not None and r.gbps > 0]
     copy = next((r.gbps / r.copy_fraction for r in measured if r.copy_fraction), None)
     _bars(bandwidth, measured, [r.gbps for r in measured], copy and (copy, f"device copy {copy:.0f} GB/s"),
@@ -74,9 +74,17 @@ def write_report(log: str, reports: list, path: str, peak_tflops: float | None =
     return path
 
 
+SHORT = 36  # characters of a task name in the picture: longer fused names squeeze the panels
+
+
+def _short(name: str) -> str:
+    """`name`, its middle elided where it is longer than SHORT (the tables keep it whole)."""
+    return name if len(name) <= SHORT else f"{name[:SHORT // 2 - 1]}...{name[-(SHORT // 2 - 2):]}"
+
+
 def _bars(ax, reports: list, values: list, line, xlabel: str, title: str) -> None:
     """Horizontal bars of `values` per task, with a dashed yardstick `line` (value, label) where given."""
-    ax.barh([r.name for r in reports], values)
+    ax.barh([_short(r.name) for r in reports], values)
     if line:
         ax.axvline(line[0], color="black", linestyle="--", label=line[1])
         ax.legend(fontsize=7)

@@ -57,3 +57,12 @@ def test_the_peak_is_the_architectures_where_the_table_knows_it():
     assert tensor_peak_tflops(tvm_ext.parse_target({"kind": "cuda", "arch": "sm_80"})) == 312.0
     assert tensor_peak_tflops(tvm_ext.parse_target({"kind": "cuda", "arch": "sm_75"})) is None
     assert tensor_peak_tflops(tvm_ext.parse_target("llvm")) is None
+
+
+def test_long_task_names_are_shortened_in_the_picture_only():
+    from tvm_ext.search.report import SHORT, _short  # noqa: PLC0415
+
+    name = "fused_cast_power_mean_add_tir_rsqrt_multiply_cast1_multiply1_reshape"
+    short = _short(name)
+    assert len(short) <= SHORT and short.startswith("fused_cast_power") and short.endswith("multiply1_reshape"[-16:])
+    assert "..." in short and _short("fused_matmul_nt_cast2") == "fused_matmul_nt_cast2"
