@@ -11,7 +11,7 @@ import numpy as np
 from tvm import tirx
 from tvm.target import Target
 
-from tvm_ext.records import Database, read_records
+from tvm_ext.records import Database, numbered_records
 
 from .cost_model import CostModel, logged_groups
 from .features import candidate_features
@@ -19,17 +19,22 @@ from .space import knob_space
 
 
 class ModelDatabase(Database):
-    """A tuning log plus its cost model."""
+    """Tuning logs plus a cost model trained on all of them (the shipped logs of tuning_logs/ pick
+    schedules for shapes none of them measured)."""
 
     model: CostModel
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "ModelDatabase":
-        records = list(read_records(path))  # read once: a bad line warns once
-        db = cls.from_records(path, records)
-        db.model = CostModel().fit(logged_groups(records))
+    def load(cls, paths: str | os.PathLike | list) -> "ModelDatabase":
+        """The records of one log, or of each log in a list (a line named by its log's file)."""
+        paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+        records = [(f"{os.path.basename(p)}:{n}" if len(paths) > 1 else n, rec)  # read once: a bad line warns once
+                   for p in paths for n, rec in numbered_records(p)]
+        label = ", ".join(map(os.fspath, paths))
+        db = cls.from_records(label, records)
+        db.model = CostModel().fit(logged_groups([rec for _, rec in records]))
         if db.model.booster is None:
-            raise ValueError(f"tuning log {os.fspath(path)!r} has too few measurements to train a cost model")
+            raise ValueError(f"tuning log(s) {label!r} have too few measurements to train a cost model")
         return db
 
     def lookup(self, func: tirx.PrimFunc, target: Target) -> dict | None:

@@ -43,5 +43,5 @@ def test_a_log_too_small_to_train_on_is_refused_by_name(tmp_path):
     log = str(tmp_path / "one.json")
     (t,) = extract_tasks(relax_module("softmax", [64, 300], "float32"), TARGET)
     tune([TaskSearch(t, TARGET, log, budget=1, batch=1)], lanes_oracle, trials=1, progress=False)
-    with pytest.raises(ValueError, match="one.json' has too few measurements"):
+    with pytest.raises(ValueError, match="one.json' have too few measurements"):
         ModelDatabase.load(log)

@@ -38,3 +38,20 @@ def test_a_shipped_log_matches_the_tasks_its_model_has_today(name):
     problems = {r["task"]: knobs_problem(tasks[r["key"]].func, target, r["knobs"]) for r in records}
     assert not any(problems.values()), f"{name}: {problems}"
     assert len({r["key"] for r in records}) >= len(tasks) // 2, f"{name} tunes fewer than half of its tasks"
+
+
+def test_the_shipped_logs_pick_schedules_for_shapes_none_of_them_measured():
+    """Their cost model, trained on every shipped log, answers a LayerNorm and an RMSNorm of widths
+    no log has with a point of each task's space (0 trials), and a logged task with its best."""
+    from bench.suite import relax_module  # noqa: PLC0415
+    from tvm_ext.pipeline import fused_reduce_functions  # noqa: PLC0415
+    from tvm_ext.search.transfer import ModelDatabase  # noqa: PLC0415
+
+    db = ModelDatabase.load([os.path.join(LOGS, name) for name in sorted(INDEX)])
+    target = tvm_ext.parse_target(INDEX["h200-bert-seq512.json"]["target"])
+    for op, shape in (("layer_norm", [8192, 2560]), ("rms_norm", [2048, 5120]), ("softmax", [4096, 640])):
+        (func,) = fused_reduce_functions(relax_module(op, shape, "float16"), target).values()
+        knobs = db.lookup(func, target)
+        assert knobs is not None and knobs_problem(func, target, knobs) is None, (op, shape, knobs)
+    (logged,) = [t for t in extract_tasks(load_model("suite:ln-16384x384-f16"), target)]
+    assert db.lookup(logged.func, target) == db.best[logged.key][1]
