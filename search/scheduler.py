@@ -1,8 +1,8 @@
 """Task scheduler: spend one trial budget across a model's tasks where it pays most.
 
-After one batch each, the next batch goes to the task with the largest expected gain x weight
-(its best latency times its last relative improvement, floored by its unexplored share, times
-its call count)."""
+After one batch each (tasks never measured first, also in a resumed run), the next batch goes to
+the task with the largest expected gain x weight (its best latency times its last relative
+improvement, floored by its unexplored share, times its call count)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def tune(searches: list[TaskSearch], measure, trials: int, prior: list = (), pro
         live = [s for s in searches if not s.done]
         if not live:
             break
-        fresh = [s for s in live if s.batches == 0]
+        fresh = [s for s in live if not s.measured]  # a resumed run's measured tasks are not fresh
         search = fresh[0] if fresh else max(live, key=_gain)
         n = search.step(measure, trials - spent)
         spent += n

@@ -1,5 +1,6 @@
 """Strategy and task scheduler against a known latency table (an oracle stands in for the GPU)."""
 
+import json
 import zlib
 
 import numpy as np
@@ -90,3 +91,17 @@ def test_a_run_that_exhausts_the_space_says_so_on_its_progress_bar(tmp_path, cap
     final = capsys.readouterr().err.replace("\r", "\n").splitlines()
     assert any("all tasks: 100%" in line and f"stopped at {len(s.points)} of 1000 trials: space exhausted" in line
                for line in final), final[-3:]
+
+
+def test_a_resumed_run_measures_a_task_it_never_reached_before_the_others_again(tmp_path):
+    """A run stopped before its last task: the resumed run's first batch goes to that task, though the
+    heavier one would have the larger expected gain."""
+    heavy, light = task("layer_norm", [8192, 4096], weight=8), task("softmax", [4096, 1024])
+    log = str(tmp_path / "log.json")
+    first = TaskSearch(heavy, TARGET, log, budget=64, batch=8)
+    tune([first], oracle({heavy.func: first}), trials=8, progress=False)
+    past = [json.loads(line) for line in open(log, encoding="utf-8")]
+    searches = [TaskSearch(t, TARGET, log, budget=64, batch=8, past=[r for r in past if r["key"] == t.key])
+                for t in (heavy, light)]
+    tune(searches, oracle({s.task.func: s for s in searches}), trials=8, progress=False)
+    assert [len(s.measured) for s in searches] == [8, 8]
