@@ -37,7 +37,8 @@ def test_one_kernel_per_spelled_out_pattern(name, shape, capsys):
     theirs = tvm_ext.cuda_kernels(tvm.compile(mod, target=tvm_ext.parse_target(CUDA_TARGET)))
     with capsys.disabled():
         print(f"\n  {name} {shape}: tvm_ext {len(ours)} kernel(s), TVM default {len(theirs)}")
-    assert len(ours) == KERNELS[name], ours
+    # a Welford LayerNorm over a symbolic row count: a kernel for fewer rows than SMs too
+    assert len(ours) == KERNELS[name] + (name == "layer_norm_gelu" and shape == ["n", 4096]), ours
     if name != "layer_norm_gelu":  # TVM already fuses a norm op with what follows it
         assert len(theirs) > len(ours)
 
@@ -200,8 +201,9 @@ def test_spelled_forms_get_the_single_ops_schedules_on_the_suite():
     from tvm_ext.pipeline import fused_reduce_functions  # noqa: PLC0415
 
     target = tvm_ext.parse_target({"tag": "nvidia/nvidia-h100", "arch": "sm_90"})
+    # the kernel for many rows of each function (the op's Welford state alone gets a few-row class)
     plans = lambda mod: [k for f in fused_reduce_functions(mod, target).values()  # noqa: E731
-                         for _, k in schedules.plan(f, target)]
+                         for cond, k in schedules.plan(f, target) if " < " not in str(cond)]
     cases = [c for c in load_suite() if c["op"] in SINGLE_OP]
     assert len(cases) == 17
     for case in cases:
