@@ -13,6 +13,7 @@ from bench.suite import relax_module
 from conftest import CUDA_TARGET
 from barriers import divergent_barriers
 from helpers import CASES
+from tvm_ext.schedules import warp_row
 from tvm_ext.schedules.dispatch import DYNAMIC_ROW_VARIANTS
 
 # bn_stats (mean and variance of the same x) is paired into one Welford kernel.
@@ -26,7 +27,8 @@ def expected_kernels(case) -> int:
     when any dim is (tvm_ext/tir/narrowing.py)."""
     symbolic_width = isinstance(case["shape"][-1], str)
     symbolic = any(isinstance(d, str) for d in case["shape"])
-    few_rows = symbolic and not symbolic_width and case["op"] == "layer_norm" and case["shape"][-1] * 2 > 4096
+    few_rows = (symbolic and not symbolic_width and case["op"] == "layer_norm"
+                and case["shape"][-1] * 2 > warp_row.MAX_ROW_BYTES)  # fp16 rows block_row takes
     classes = 2 * len(DYNAMIC_ROW_VARIANTS) if symbolic_width else 2 if few_rows else 1
     return KERNELS.get(case["op"], 1) * classes * (2 if symbolic else 1)
 _built = {}

@@ -41,8 +41,8 @@ def test_a_shipped_log_matches_the_tasks_its_model_has_today(name):
 
 
 def test_the_shipped_logs_pick_schedules_for_shapes_none_of_them_measured():
-    """Their cost model, trained on every shipped log, answers a LayerNorm and an RMSNorm of widths
-    no log has with a point of each task's space (0 trials), and a logged task with its best."""
+    """Their cost model, trained on every shipped log, answers a LayerNorm, an RMSNorm and a softmax
+    of widths no log has with a point of each task's space (0 trials), and a logged task with its best."""
     from bench.suite import relax_module  # noqa: PLC0415
     from tvm_ext.pipeline import fused_reduce_functions  # noqa: PLC0415
     from tvm_ext.search.transfer import ModelDatabase  # noqa: PLC0415
@@ -53,5 +53,5 @@ def test_the_shipped_logs_pick_schedules_for_shapes_none_of_them_measured():
         (func,) = fused_reduce_functions(relax_module(op, shape, "float16"), target).values()
         knobs = db.lookup(func, target)
         assert knobs is not None and knobs_problem(func, target, knobs) is None, (op, shape, knobs)
-    (logged,) = [t for t in extract_tasks(load_model("suite:ln-16384x384-f16"), target)]
+    (logged,) = extract_tasks(load_model("suite:ln-16384x384-f16"), target)
     assert db.lookup(logged.func, target) == db.best[logged.key][1]
