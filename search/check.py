@@ -4,7 +4,9 @@ inputs) and whether a candidate's outputs are within dtype-derived bounds of it,
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -22,6 +24,8 @@ from tvm_ext.schedules.analysis import multiply_accumulate
 from .features import NOMINAL
 
 CHECK_CHUNK = 1 << 20  # elements compared per thread at a time (fits in cache)
+
+logger = logging.getLogger(__name__)
 
 
 def _concrete(shape, dims: dict) -> list[int]:
@@ -104,27 +108,79 @@ def _float32_inputs(func, params=None):
     return tirx.PrimFunc([remap.get(i, p) for i, p in enumerate(func.params)], body, func.ret_type, func.attrs)
 
 
+_FLOAT32 = re.compile(r"\bfloat32(x\d+)?\b")  # the scalar type and its vectors (float32x4)
+_BUFFER_CALL = re.compile(r"\b(?:sblock_alloc_buffer|alloc_buffer|decl_buffer|match_buffer|Buffer)\(")
+
+
+def _call_args(text: str, start: int) -> tuple[list[str], int]:
+    """The arguments of the call whose "(" ends just before `start` (split at its top-level commas),
+    and where its ")" is."""
+    depth, i, args, begin = 1, start, [], start
+    while True:
+        depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return [a.strip() for a in args + [text[begin:i]] if a.strip()], i
+        if text[i] == "," and depth == 1:
+            args.append(text[begin:i])
+            begin = i + 1
+        i += 1
+
+
+def _with_buffer_dtypes(text: str) -> str:
+    """TVMScript `text` with the float32 that the printer leaves implicit in a buffer's declaration
+    (`T.sblock_alloc_buffer((256,))`) written out."""
+    pieces, last = [], 0
+    for found in _BUFFER_CALL.finditer(text):
+        args, close = _call_args(text, found.end())
+        positional = [a for a in args if not re.match(r"\w+\s*=", a)]
+        if len(positional) < 2 and not any(re.match(r"dtype\s*=", a) for a in args):
+            pieces += [text[last:close], ', dtype="float32"']
+            last = close
+    return "".join(pieces) + text[last:]
+
+
+def in_float64(func) -> tirx.PrimFunc:
+    """`func` with every float32 value (buffers, temporaries, constants, casts) in float64, for a
+    reference whose long float32 sums would otherwise be the least exact part of the check (a
+    sequential float32 sum of 401408 values near zero is off by 5e-5; a candidate's tree sum by
+    about 1e-6). Other types stay: float16 arithmetic that the task does is the task's. `func`
+    itself where it has no float32 or its promoted text does not parse (logged)."""
+    text = func.script()
+    if not _FLOAT32.search(text):
+        return func
+    promoted = _FLOAT32.sub(lambda m: "float64" + (m.group(1) or ""), _with_buffer_dtypes(text))
+    try:
+        return tvm.script.from_source(promoted)
+    except Exception as err:  # noqa: BLE001 - any parse failure keeps the float32 reference
+        logger.warning("reference kept in float32: its float64 form does not parse (%s)", str(err).splitlines()[0])
+        return func
+
+
 REFERENCE_LANES = 16  # float32 columns per vector in a matmul reference
 
 
-def reference(func) -> tirx.PrimFunc:
-    """What computes the task's reference on the CPU: `func` unscheduled, or for a matmul, its
+def references(func) -> list[tirx.PrimFunc]:
+    """What computes the task's reference on the CPU: `func` unscheduled with its float32 work in
+    float64 (in_float64), then `func` as it is, in float32 summed in order, whose distance from the
+    first is what a correct float32 candidate may be off (output_bounds); or for a matmul, its
     operands read as float32 and its loops parallel over rows and vectorised over columns (the
     unscheduled form of a large fp16 Linear is too slow on a CPU to serve as a reference)."""
     convolution = conv2d.convolution(func)
     if convolution is not None:
-        return _conv2d_reference(convolution)
+        return [_conv2d_reference(convolution)]
     found = matmul.contraction(func, over_c=False)  # the epilogue blocks stay plain loops
     operands = [x.source for x in multiply_accumulate(found[0].get(found[1]).body)] if found else []
     if not operands or "float" not in str(operands[0].dtype):
-        return _float32_inputs(func)
+        in_order = _float32_inputs(func)
+        exact = in_float64(in_order)
+        return [exact] if exact is in_order else [exact, in_order]
     sch, block, _ = found
     *batch, i, j, k = sch.get_loops(block)
     sch.reorder(i, k, j)
     sch.parallel(sch.fuse(*batch, i))
     if int(sch.get(j).extent) % REFERENCE_LANES == 0:
         sch.vectorize(sch.split(j, [None, REFERENCE_LANES])[1])
-    return _float32_inputs(sch.mod["main"], operands)
+    return [_float32_inputs(sch.mod["main"], operands)]
 
 
 def _conv2d_reference(convolution) -> tirx.PrimFunc:
@@ -142,30 +198,42 @@ def _conv2d_reference(convolution) -> tirx.PrimFunc:
     return sch.mod["main"]
 
 
-def reference_arrays(func, dims: dict, path: str) -> list[np.ndarray]:
-    """Seeded inputs and the reference's outputs for every parameter of `func`: the reference is
-    built for the CPU and run once, and saved at `path` so that a replaced runner reloads it (runners
-    measuring at once take turns: the first computes it, the others wait and load it)."""
+def _run_on_cpu(ref, arrays: list, outputs: int) -> list[np.ndarray]:
+    """The outputs of `ref` built for the CPU and run once on `arrays` (cast to its parameters' types)."""
+    lib = tvm.compile(tvm.IRModule({"main": ref.with_attr("global_symbol", "main")}), target="llvm")
+    args = [tvm.runtime.tensor(a.astype(str(p.ty.dtype), copy=False)) for a, p in zip(arrays, ref.params)]
+    lib["main"](*args)
+    return [a.numpy() for a in args[-outputs:]]
+
+
+def reference_arrays(func, dims: dict, path: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(seeded inputs and the reference's outputs for every parameter of `func`, the outputs summed
+    in order in float32 where the reference has such a form, else []): built for the CPU and run
+    once, and saved at `path` so that a replaced runner reloads it (runners measuring at once take
+    turns: the first computes it, the others wait and load it)."""
+    outputs, dtypes = output_count(func), [str(p.ty.dtype) for p in func.params]
     with open(path + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.exists(path):
             with np.load(path) as saved:  # bfloat16 comes back as raw 2-byte records: view it again
-                return [saved[f"a{i}"].view(str(p.ty.dtype)) for i, p in enumerate(func.params)]
-        arrays, outputs = _arrays(func, dims), output_count(func)
-        ref = reference(func)
-        lib = tvm.compile(tvm.IRModule({"main": ref.with_attr("global_symbol", "main")}), target="llvm")
-        args = [tvm.runtime.tensor(a.astype(str(p.ty.dtype), copy=False)) for a, p in zip(arrays, ref.params)]
-        lib["main"](*args)
-        arrays[-outputs:] = [a.numpy() for a in args[-outputs:]]
-        np.savez(path + ".tmp.npz", **{f"a{i}": a for i, a in enumerate(arrays)})
+                return ([saved[f"a{i}"].view(d) for i, d in enumerate(dtypes)],
+                        [saved[f"o{i}"].view(d) for i, d in enumerate(dtypes[-outputs:]) if f"o{i}" in saved])
+        arrays = _arrays(func, dims)
+        exact, *in_order = [[a.astype(d) for a, d in zip(_run_on_cpu(ref, arrays, outputs), dtypes[-outputs:])]
+                            for ref in references(func)]
+        arrays[-outputs:] = exact
+        in_order = in_order[0] if in_order else []
+        np.savez(path + ".tmp.npz", **{f"a{i}": a for i, a in enumerate(arrays)},
+                 **{f"o{i}": a for i, a in enumerate(in_order)})
         os.replace(path + ".tmp.npz", path)
-        return arrays
+        return arrays, in_order
 
 
 ELEMENT_ULPS = 8  # one element may be off by this many ulps of the output dtype at its row's largest value
 MASS_ULPS = 2  # a row's errors may add up to this many ulps of its summed magnitude
-FLOAT32_TOLERANCE = 1e-3  # float32's floor on both: its errors are the reference's long float32 sums, not rounding
+FLOAT32_TOLERANCE = 1e-3  # float32's floor on both: its errors are a candidate's long float32 sums, not rounding
 NOISE = 2.0 ** -16  # of the tensor's largest |value|: any element may be off by this much (see output_bounds)
+IN_ORDER_SLACK = 2.0  # a row may be off by this many times the in-order float32 sum's error (see output_bounds)
 
 
 def tolerances(dtype: str) -> tuple[float, float]:
@@ -173,8 +241,8 @@ def tolerances(dtype: str) -> tuple[float, float]:
     float16 0.0078 and 0.002, bfloat16 0.0625 and 0.0156, float32 0.001 and 0.001; 0 for integers
     (exact). A correct candidate differs from the reference by about one rounding of the output
     (measured on the suite: under 0.5 ulp per element, 0.2-0.5 ulp summed) plus, in float32, the
-    error of the reference's sequential float32 sums (up to 1.3e-4 relative on a 401408-long
-    variance); a row 14% off, doubled, constant or zeroed is off by far more."""
+    error of its long float32 sums against the float64 reference; a row 14% off, doubled, constant
+    or zeroed is off by far more."""
     if "float" not in dtype:
         return 0.0, 0.0
     eps = float(ml_dtypes.finfo(np.dtype(dtype)).eps)
@@ -201,11 +269,14 @@ class Output:
     mass_bound: np.ndarray  # per row: the largest sum of |got - want|
 
 
-def output_bounds(want: np.ndarray, dtype: str, name: str) -> Output:
+def output_bounds(want: np.ndarray, dtype: str, name: str, in_order: np.ndarray | None = None) -> Output:
     """An Output for reference `want` of an output of `dtype`: per row, |got - want| <= element x
     the row's largest |want| for every element, and sum |got - want| <= mass x sum |want| (see
     tolerances), but never less than NOISE of the tensor's largest |want| per element: a value the
-    reference cancels to zero (a ReLU'd row) keeps a candidate's float32 accumulation noise."""
+    reference cancels to zero (a ReLU'd row) keeps a candidate's float32 accumulation noise. Where
+    `in_order` (the task summed in order in float32) is given, a row may also be off by IN_ORDER_SLACK
+    times as much as it is: a float32 mean of 10^5 values near zero is off by 1e-5 in order, far
+    more than 0.001 of the mean, and a candidate summing in float32 is as right as that."""
     element, mass = tolerances(dtype)
     flat = want.astype("float32").reshape(_rows(want.shape))
     special = np.flatnonzero(~np.isfinite(flat))
@@ -213,8 +284,15 @@ def output_bounds(want: np.ndarray, dtype: str, name: str) -> Output:
     flat.reshape(-1)[special] = 0
     magnitude = np.abs(flat)
     noise = NOISE * float(magnitude.max(initial=0))
-    return Output(name, dtype, flat, special, special_want, np.maximum(element * magnitude.max(-1, initial=0), noise),
-                   np.maximum(mass * magnitude.sum(-1), noise * flat.shape[1]))
+    out = Output(name, dtype, flat, special, special_want, np.maximum(element * magnitude.max(-1, initial=0), noise),
+                 np.maximum(mass * magnitude.sum(-1), noise * flat.shape[1]))
+    if in_order is not None:
+        in_order = in_order.reshape(flat.shape).astype("float32")
+        in_order.reshape(-1)[special] = 0
+        largest, summed = (np.nan_to_num(e, nan=0.0, posinf=0.0) for e in _row_errors(in_order, out))
+        out.element_bound = np.maximum(out.element_bound, IN_ORDER_SLACK * largest)
+        out.mass_bound = np.maximum(out.mass_bound, IN_ORDER_SLACK * summed)
+    return out
 
 
 def _row_errors(got: np.ndarray, out: Output) -> tuple[np.ndarray, np.ndarray]:

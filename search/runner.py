@@ -51,11 +51,11 @@ def expected(func_json: str, dims: dict, device, scratch: str) -> Expected:
         _EXPECTED.clear()  # free the last task's device memory
         func = tvm.ir.load_json(func_json)
         outputs = output_count(func)
-        arrays = reference_arrays(func, dims, path)
+        arrays, in_order = reference_arrays(func, dims, path)
         params, wants = func.params[-outputs:], arrays[-outputs:]
         _EXPECTED[path] = Expected(
             [tvm.runtime.tensor(a, device) for a in arrays[:-outputs]],
-            [output_bounds(w, str(p.ty.dtype), p.name) for w, p in zip(wants, params)],
+            [output_bounds(w, str(p.ty.dtype), p.name, o) for w, p, o in zip(wants, params, in_order or [None] * outputs)],
             [tvm.runtime.tensor(np.full(w.shape, np.nan if "float" in str(w.dtype) else -7, w.dtype), device)
              for w in wants])
     return _EXPECTED[path]

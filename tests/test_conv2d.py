@@ -171,10 +171,11 @@ def test_the_tuner_sees_convolutions_with_the_heuristic_point_first():
 
 
 def test_the_cpu_reference_of_a_convolution_is_right(rng):
-    from tvm_ext.search.check import reference as cpu_reference  # noqa: PLC0415
+    from tvm_ext.search.check import references  # noqa: PLC0415
 
     n, c, h, w, f = 2, 16, 9, 9, 8
-    lib = tvm.compile(cpu_reference(conv_func(n, c, h, w, f)).with_attr("global_symbol", "main"), target="llvm")
+    (ref,) = references(conv_func(n, c, h, w, f))
+    lib = tvm.compile(ref.with_attr("global_symbol", "main"), target="llvm")
     x, k = rng.standard_normal((n, c, h, w)).astype("float32"), rng.standard_normal((f, c, 3, 3)).astype("float32")
     out = tvm.runtime.tensor(np.zeros((n, f, h, w), "float32"))
     lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(k), out)

@@ -234,11 +234,11 @@ def test_the_tuner_takes_the_gated_matmul_as_a_wgmma_task():
 
 
 def test_the_tuners_cpu_reference_of_the_gated_matmul_is_the_activation(always_joined, rng):
-    from tvm_ext.search.check import reference as cpu_reference  # noqa: PLC0415
+    from tvm_ext.search.check import references  # noqa: PLC0415
 
     mod, weights = mlp(128, 64, 64)
     func = next(f for name, f in prim_funcs(fused_module(mod, SM_90A)).items() if "gated" in name)
-    cpu_func = cpu_reference(func)
+    (cpu_func,) = references(func)
     lib = tvm.compile(tvm.IRModule({"main": cpu_func.with_attr("global_symbol", "main")}), target="llvm")
     x = rng.standard_normal((128, 64)).astype("float16")
     args = [tvm.runtime.tensor(a.astype(str(p.ty.dtype))) for a, p in

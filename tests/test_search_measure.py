@@ -13,7 +13,7 @@ import tvm_ext
 from bench.suite import relax_module
 from conftest import CUDA_TARGET
 from tvm_ext.search.builder import build_candidate
-from tvm_ext.search.check import reference
+from tvm_ext.search.check import references
 from tvm_ext.search.measure import Measurer, measure
 from tvm_ext.search.runner import run_candidate
 from tvm_ext.search.space import knob_space
@@ -149,7 +149,7 @@ def test_a_matmul_reference_reads_float32_operands_on_parallel_rows(rng):
     """The unscheduled fp16 reference of a 512 x 4096 x 4096 Linear took 92 s on the CPU; this one
     converts the operands once (exactly) and spreads rows over cores, and must still be right."""
     (task,) = extract_tasks(_linear_bias(64, 128, 256), tvm_ext.parse_target(CUDA_TARGET))
-    ref = reference(task.func)
+    (ref,) = references(task.func)
     assert [str(p.ty.dtype) for p in ref.params] == ["float32", "float32", "float16", "float16"]
     assert "T.parallel" in ref.script() and "T.vectorized" in ref.script()
     a, w, b = (rng.standard_normal(s).astype("float16") for s in ([64, 256], [256, 128], [128]))
