@@ -4,7 +4,8 @@ hands out (`python -m tvm.exec.rpc_tracker`, `python -m tvm.exec.rpc_server --tr
 
 There is one runner per free server at the start. Each runner asks the tracker for a server on its
 first job and keeps that connection for the run (a server starts a process, and a CUDA context, per
-connection: seconds with --no-fork, which CUDA servers need), with the task's inputs uploaded once.
+connection: seconds with --no-fork, which CUDA servers need), with the task's inputs and reference
+uploaded once, and each candidate's outputs checked there (remote_check).
 A candidate that fails, hangs or loses its server costs that trial and its runner, whose successor
 connects again; where no server comes free within SERVER_WAIT_S, the server is gone: the pool
 runs one runner fewer and the candidate goes to another (NoServerError). The reference is computed
@@ -19,6 +20,7 @@ import time
 import tvm
 from tvm import rpc
 
+from .remote_check import check_remote, on_server
 from .runner import REPEAT, check_and_time, device_copy_gbps, expected, poisoned
 
 CONNECT_TIMEOUT_S = 5.0
@@ -80,13 +82,14 @@ def _connection(tracker: str, key: str, target):
     return _CONNECTION["remote"], _CONNECTION["device"]
 
 
-def _on_server(want, device) -> tuple[list, list]:
-    """The task's inputs and poisoned outputs on the server, uploaded once per task."""
+def _on_server(want, device) -> tuple[list, list, list]:
+    """The task's inputs, poisoned outputs and references on the server, uploaded once per task."""
     if _CONNECTION.get("want") is not want:
-        _CONNECTION.update(want=None, inputs=None, poison=None)  # the last task's tensors freed first
+        _CONNECTION.update(want=None, inputs=None, poison=None, references=None)  # the last task's freed first
         upload = lambda arrays: [tvm.runtime.tensor(a.numpy(), device) for a in arrays]  # noqa: E731
-        _CONNECTION.update(want=want, inputs=upload(want.inputs), poison=upload(want.poison))
-    return _CONNECTION["inputs"], _CONNECTION["poison"]
+        _CONNECTION.update(want=want, inputs=upload(want.inputs), poison=upload(want.poison),
+                           references=on_server(want.outputs, device))
+    return _CONNECTION["inputs"], _CONNECTION["poison"], _CONNECTION["references"]
 
 
 def _device(remote, target):
@@ -100,12 +103,16 @@ def run_candidate_rpc(func_json: str, target_json: str, dims: dict, scratch: str
     target = tvm.target.Target(target_json)
     want = expected(func_json, dims, tvm.cpu(), scratch)  # computed here, once per task
     remote, device = _connection(tracker, key, target)
-    inputs, poison = _on_server(want, device)
+    inputs, poison, references = _on_server(want, device)
     name = os.path.basename(lib_path)
     remote.upload(lib_path)
+
+    def check(outs):
+        check_remote(outs, references, want.outputs, remote, device, target, scratch)
+
     try:
         return check_and_time(remote.load_module(name), device, target, inputs, poisoned(poison, device), want,
-                              zeroed, repeat)
+                              zeroed, repeat, check)
     finally:
         remote.remove(name)
 

@@ -81,15 +81,18 @@ def poisoned(poison: list, device) -> list:
 
 
 def check_and_time(lib, device, target, inputs: list, outs: list, want: Expected, zeroed: list,
-                   repeat: int) -> list[float]:
+                   repeat: int, check=None) -> list[float]:
     """Run `lib` on `device` (this machine's or an RPC server's) with `inputs`, zero-filled inputs
-    and the poisoned `outs`, check the outputs against `want`, then time it (us). On a GPU each
-    timed call follows a copy larger than L2, made by TVM's timer itself on whichever machine
-    runs it, so a server times exactly as this machine does."""
+    and the poisoned `outs`, check the outputs against `want` (`check(outs)` where given, e.g. on
+    the server), then time it (us). On a GPU each timed call follows a copy larger than L2, made by
+    TVM's timer itself on whichever machine runs it, so a server times exactly as this machine does."""
     zeros = [tvm.runtime.tensor(np.zeros(shape, zdtype), device) for shape, zdtype in zeroed]
     args = inputs + zeros + outs
     lib["main"](*args)
-    check_outputs([out.numpy() for out in outs], want.outputs)
+    if check is not None:
+        check(outs)
+    else:
+        check_outputs([out.numpy() for out in outs], want.outputs)
     if target.kind.name == "llvm":
         timer = lib.time_evaluator("main", device, number=10, repeat=max(3, repeat // 4))
     else:

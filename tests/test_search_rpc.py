@@ -10,7 +10,9 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
+import tvm
 
 from tvm_ext.search.measure import Measurer
 from tvm_ext.search.rpc import free_servers
@@ -113,3 +115,52 @@ def test_the_command_line_refuses_a_tracker_that_is_not_there(tmp_path):
                 "--log", str(tmp_path / "t.json"), "--rpc-key", KEY)
     assert done.returncode == 2
     assert done.stderr.splitlines()[-1] == "tune.py: --rpc-tracker and --rpc-key go together: the tracker's address and the servers' key"
+
+
+class _NoDownload:
+    """An output that fails the test if it is brought here whole."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def _create_view(self, shape):
+        return self.tensor._create_view(shape)
+
+    def numpy(self):
+        raise AssertionError("the output was downloaded")
+
+
+def test_outputs_are_checked_on_the_server_and_only_brought_here_when_wrong(tmp_path, rng):
+    """On a session standing in for a server: right fp16 norm rows pass with two numbers a row
+    brought back; a row 14% off, one NaN, or a reference with an infinity (checked here) take the
+    exact check's path and message."""
+    from tvm import rpc  # noqa: PLC0415
+
+    from tvm_ext.search.check import output_bounds  # noqa: PLC0415
+    from tvm_ext.search.remote_check import check_remote, on_server  # noqa: PLC0415
+
+    session = rpc.LocalSession()
+    device = session.cpu()
+    want = rng.standard_normal((64, 1000)).astype("float16")
+    outputs = [output_bounds(want, "float16", "y")]
+    there = on_server(outputs, device)
+
+    def check(got):
+        check_remote([got], there, outputs, session, device, TARGET, str(tmp_path))
+
+    check(_NoDownload(tvm.runtime.tensor(want, device)))
+    wrong = want.copy()
+    wrong[5] *= 1.14
+    with pytest.raises(ValueError, match="wrong result: output 0 \\(y, float16\\): row 5 of 64 rows"):
+        check(tvm.runtime.tensor(wrong, device))
+    wrong = want.copy()
+    wrong[7, 3] = np.nan
+    with pytest.raises(ValueError, match="row 7 of 64 rows"):
+        check(tvm.runtime.tensor(wrong, device))
+    with pytest.raises(AssertionError, match="downloaded"):  # NaN where the reference has one: checked here
+        special = want.copy()
+        special[1, 1] = np.inf
+        outputs = [output_bounds(special, "float16", "y")]
+        there = on_server(outputs, device)
+        assert there == [None]
+        check(_NoDownload(tvm.runtime.tensor(special, device)))
