@@ -52,13 +52,17 @@ def task_flops(func, dims: dict | None = None) -> int:
     return 0
 
 
-def _random(rng, shape, dtype: str) -> np.ndarray:
-    """Seeded standard-normal values in `dtype`; bfloat16 by truncating float32 bits (ml_dtypes' own
-    conversion takes seconds on a large tensor)."""
-    values = rng.standard_normal(shape, dtype="float32")
+def in_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 `values` in `dtype`; bfloat16 by truncating float32 bits (ml_dtypes' own conversion
+    takes seconds on a large tensor; exact for values bfloat16 holds)."""
     if dtype == "bfloat16":
         return (values.view(np.uint32) >> 16).astype(np.uint16).view(dtype)
     return values.astype(dtype)
+
+
+def _random(rng, shape, dtype: str) -> np.ndarray:
+    """Seeded standard-normal values in `dtype`."""
+    return in_dtype(rng.standard_normal(shape, dtype="float32"), dtype)
 
 
 def output_count(func) -> int:

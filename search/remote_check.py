@@ -13,23 +13,29 @@ import tvm
 from tvm import te
 from tvm.s_tir import dlight as dl
 
-from .check import check_outputs
+from .check import check_outputs, in_dtype
+from .runner import poison_value
 
 _KERNELS: dict = {}  # in a runner: (output dtype, target) -> the row-errors module on its server
 
 
 def row_errors_module(dtype: str, target) -> tvm.IRModule:
     """`largest(got, want, out)` and `summed(got, want, out)` over the rows of a (rows, width)
-    output of `dtype`, with both dims symbolic: one build serves every task of that dtype."""
-    rows, width = tvm.tirx.Var("rows", "int64"), tvm.tirx.Var("width", "int64")
-    got, want = te.placeholder((rows, width), dtype, "got"), te.placeholder((rows, width), "float32", "want")
+    output of `dtype` and its reference in `dtype`, and `poison(out)` filling a flat output with
+    runner.poison_value; every dim symbolic: one build serves every task of that dtype."""
+    rows, width, size = (tvm.tirx.Var(name, "int64") for name in ("rows", "width", "size"))
+    got, want = te.placeholder((rows, width), dtype, "got"), te.placeholder((rows, width), dtype, "want")
 
     def error(reduce):
         k = te.reduce_axis((0, width), "k")
-        return te.compute((rows,), lambda i: reduce(te.abs(got[i, k].astype("float32") - want[i, k]), axis=k))
+        return te.compute((rows,), lambda i: reduce(te.abs(got[i, k].astype("float32") - want[i, k].astype("float32")),
+                                                    axis=k))
 
-    mod = tvm.IRModule({name: te.create_prim_func([got, want, error(reduce)]).with_attr("global_symbol", name)
-                        for name, reduce in (("largest", te.max), ("summed", te.sum))})
+    poison = te.compute((size,), lambda _: tvm.tirx.const(poison_value(dtype), dtype), "poison")
+    funcs = {name: te.create_prim_func([got, want, error(reduce)]) for name, reduce in (("largest", te.max),
+                                                                                          ("summed", te.sum))}
+    funcs["poison"] = te.create_prim_func([poison])
+    mod = tvm.IRModule({name: func.with_attr("global_symbol", name) for name, func in funcs.items()})
     if "gpu" in target.keys:
         with target:
             mod = dl.ApplyDefaultSchedule(dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
@@ -46,11 +52,19 @@ def _kernel(remote, dtype: str, target, scratch: str):
     return _KERNELS[(dtype, str(target))]
 
 
-def on_server(outputs: list, device) -> list:
-    """Each output's reference as float32 rows on the server, uploaded once per task (None for an
-    output checked here: an integer one, or one whose reference has NaN or infinities)."""
-    return [tvm.runtime.tensor(out.want, device) if "float" in out.dtype and not out.special.size else None
-            for out in outputs]
+def on_server(want, remote, device, target, scratch: str) -> tuple[list, list]:
+    """(each output's reference on the server in its own dtype, or None for one checked here: an
+    integer output, or one whose reference has NaN or infinities; each output poisoned there) for
+    the runner's Expected `want`, made once per task: the references are exact in the output's
+    dtype (check.reference_arrays rounds them to it), half a float32 copy's bytes, and the poison
+    is written there, not sent."""
+    wants, poison = [], []
+    for out, local in zip(want.outputs, want.poison):
+        checkable = "float" in out.dtype and not out.special.size
+        wants.append(tvm.runtime.tensor(in_dtype(out.want, out.dtype), device) if checkable else None)
+        poison.append(tvm.runtime.empty(local.shape, out.dtype, device))
+        _kernel(remote, out.dtype, target, scratch)["poison"](poison[-1]._create_view((int(np.prod(local.shape)),)))
+    return wants, poison
 
 
 def _within_bounds(got, want, out, remote, device, target, scratch: str) -> bool:

@@ -82,13 +82,13 @@ def _connection(tracker: str, key: str, target):
     return _CONNECTION["remote"], _CONNECTION["device"]
 
 
-def _on_server(want, device) -> tuple[list, list, list]:
-    """The task's inputs, poisoned outputs and references on the server, uploaded once per task."""
+def _on_server(want, remote, device, target, scratch: str) -> tuple[list, list, list]:
+    """The task's inputs, poisoned outputs and references on the server, made once per task."""
     if _CONNECTION.get("want") is not want:
         _CONNECTION.update(want=None, inputs=None, poison=None, references=None)  # the last task's freed first
-        upload = lambda arrays: [tvm.runtime.tensor(a.numpy(), device) for a in arrays]  # noqa: E731
-        _CONNECTION.update(want=want, inputs=upload(want.inputs), poison=upload(want.poison),
-                           references=on_server(want.outputs, device))
+        references, poison = on_server(want, remote, device, target, scratch)
+        _CONNECTION.update(want=want, inputs=[tvm.runtime.tensor(a.numpy(), device) for a in want.inputs],
+                           poison=poison, references=references)
     return _CONNECTION["inputs"], _CONNECTION["poison"], _CONNECTION["references"]
 
 
@@ -103,7 +103,7 @@ def run_candidate_rpc(func_json: str, target_json: str, dims: dict, scratch: str
     target = tvm.target.Target(target_json)
     want = expected(func_json, dims, tvm.cpu(), scratch)  # computed here, once per task
     remote, device = _connection(tracker, key, target)
-    inputs, poison, references = _on_server(want, device)
+    inputs, poison, references = _on_server(want, remote, device, target, scratch)
     name = os.path.basename(lib_path)
     remote.upload(lib_path)
 

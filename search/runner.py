@@ -56,9 +56,13 @@ def expected(func_json: str, dims: dict, device, scratch: str) -> Expected:
         _EXPECTED[path] = Expected(
             [tvm.runtime.tensor(a, device) for a in arrays[:-outputs]],
             [output_bounds(w, str(p.ty.dtype), p.name, o) for w, p, o in zip(wants, params, in_order or [None] * outputs)],
-            [tvm.runtime.tensor(np.full(w.shape, np.nan if "float" in str(w.dtype) else -7, w.dtype), device)
-             for w in wants])
+            [tvm.runtime.tensor(np.full(w.shape, poison_value(str(w.dtype)), w.dtype), device) for w in wants])
     return _EXPECTED[path]
+
+
+def poison_value(dtype: str) -> float:
+    """What a fresh output holds before a candidate runs: NaN, or -7 in an integer output."""
+    return np.nan if "float" in dtype else -7
 
 
 def run_candidate(func_json: str, target_json: str, dims: dict, scratch: str, lib_path: str, zeroed: list,

@@ -131,36 +131,41 @@ class _NoDownload:
 
 
 def test_outputs_are_checked_on_the_server_and_only_brought_here_when_wrong(tmp_path, rng):
-    """On a session standing in for a server: right fp16 norm rows pass with two numbers a row
-    brought back; a row 14% off, one NaN, or a reference with an infinity (checked here) take the
-    exact check's path and message."""
+    """On a session standing in for a server: the poisoned output is written there (NaN); right
+    fp16 norm rows pass with two numbers a row brought back; a row 14% off, one NaN, or a reference
+    with an infinity (checked here) take the exact check's path and message."""
     from tvm import rpc  # noqa: PLC0415
 
     from tvm_ext.search.check import output_bounds  # noqa: PLC0415
     from tvm_ext.search.remote_check import check_remote, on_server  # noqa: PLC0415
+    from tvm_ext.search.runner import Expected  # noqa: PLC0415
 
     session = rpc.LocalSession()
     device = session.cpu()
-    want = rng.standard_normal((64, 1000)).astype("float16")
-    outputs = [output_bounds(want, "float16", "y")]
-    there = on_server(outputs, device)
 
-    def check(got):
-        check_remote([got], there, outputs, session, device, TARGET, str(tmp_path))
+    def expecting(want):
+        expected = Expected([], [output_bounds(want, "float16", "y")], [tvm.runtime.tensor(np.zeros_like(want))])
+        there, poison = on_server(expected, session, device, TARGET, str(tmp_path))
+        assert poison[0].shape == want.shape and np.isnan(poison[0].numpy()).all()
+        return expected.outputs, there
 
-    check(_NoDownload(tvm.runtime.tensor(want, device)))
+    def check(got, expected):
+        check_remote([got], expected[1], expected[0], session, device, TARGET, str(tmp_path))
+
+    want = rng.standard_normal((4, 16, 1000)).astype("float16")
+    expected = expecting(want)
+    check(_NoDownload(tvm.runtime.tensor(want, device)), expected)
     wrong = want.copy()
-    wrong[5] *= 1.14
-    with pytest.raises(ValueError, match="wrong result: output 0 \\(y, float16\\): row 5 of 64 rows"):
-        check(tvm.runtime.tensor(wrong, device))
+    wrong[1, 5] *= 1.14
+    with pytest.raises(ValueError, match="wrong result: output 0 \\(y, float16\\): row 21 of 64 rows"):
+        check(tvm.runtime.tensor(wrong, device), expected)
     wrong = want.copy()
-    wrong[7, 3] = np.nan
+    wrong[0, 7, 3] = np.nan
     with pytest.raises(ValueError, match="row 7 of 64 rows"):
-        check(tvm.runtime.tensor(wrong, device))
-    with pytest.raises(AssertionError, match="downloaded"):  # NaN where the reference has one: checked here
-        special = want.copy()
-        special[1, 1] = np.inf
-        outputs = [output_bounds(special, "float16", "y")]
-        there = on_server(outputs, device)
-        assert there == [None]
-        check(_NoDownload(tvm.runtime.tensor(special, device)))
+        check(tvm.runtime.tensor(wrong, device), expected)
+    special = want.copy()
+    special[0, 1, 1] = np.inf
+    expected = expecting(special)
+    assert expected[1] == [None]
+    with pytest.raises(AssertionError, match="downloaded"):  # an infinity where the reference has one: checked here
+        check(_NoDownload(tvm.runtime.tensor(special, device)), expected)
