@@ -31,7 +31,7 @@ def row_errors_module(dtype: str, target) -> tvm.IRModule:
         return te.compute((rows,), lambda i: reduce(te.abs(got[i, k].astype("float32") - want[i, k].astype("float32")),
                                                     axis=k))
 
-    poison = te.compute((size,), lambda _: tvm.tirx.const(poison_value(dtype), dtype), "poison")
+    poison = te.compute((size,), lambda _: _poison_bits(dtype), "poison")
     funcs = {name: te.create_prim_func([got, want, error(reduce)]) for name, reduce in (("largest", te.max),
                                                                                           ("summed", te.sum))}
     funcs["poison"] = te.create_prim_func([poison])
@@ -40,6 +40,14 @@ def row_errors_module(dtype: str, target) -> tvm.IRModule:
         with target:
             mod = dl.ApplyDefaultSchedule(dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
     return mod
+
+
+def _poison_bits(dtype: str):
+    """runner.poison_value in `dtype`, written by its bits: TVM 0.27 spells a bfloat16 NaN constant
+    `__float2bfloat16_rn(nanf)`, which nvcc rejects."""
+    bits = tvm.DataType(dtype).bits
+    pattern = np.array([poison_value(dtype)]).astype(np.dtype(dtype)).view(f"uint{bits}")[0]
+    return tvm.tirx.reinterpret(dtype, tvm.tirx.const(int(pattern), f"uint{bits}"))
 
 
 def _kernel(remote, dtype: str, target, scratch: str):

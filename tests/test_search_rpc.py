@@ -4,6 +4,7 @@ error, a server killed mid-run costs at most the candidate it ran, and the comma
 tracker that is not there in one line."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -169,3 +170,26 @@ def test_outputs_are_checked_on_the_server_and_only_brought_here_when_wrong(tmp_
     assert expected[1] == [None]
     with pytest.raises(AssertionError, match="downloaded"):  # an infinity where the reference has one: checked here
         check(_NoDownload(tvm.runtime.tensor(special, device)), expected)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int32"])
+def test_the_servers_check_and_poison_kernels_build_for_cuda_and_poison_as_the_runner(dtype):
+    """The kernels remote_check builds for a CUDA server compile with nvcc (a bfloat16 NaN written
+    as a constant did not), and the poison is runner.poison_value."""
+    import shutil  # noqa: PLC0415
+
+    from tvm.support import nvcc  # noqa: PLC0415
+
+    import tvm_ext  # noqa: PLC0415
+    from tvm_ext.search.remote_check import row_errors_module  # noqa: PLC0415
+    from tvm_ext.search.runner import poison_value  # noqa: PLC0415
+
+    cuda = tvm_ext.parse_target({"tag": "nvidia/nvidia-h100", "arch": "sm_90a"})
+    src = tvm_ext.cuda_source(tvm.compile(row_errors_module(dtype, cuda), target=cuda))
+    assert {"largest_kernel", "summed_kernel", "poison_kernel"} <= set(re.findall(r"\w+_kernel", src))
+    if shutil.which("nvcc"):
+        with cuda:
+            assert bytes(nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")[:4]) == b"\x7fELF"
+    out = tvm.runtime.empty((7,), dtype)
+    tvm.compile(row_errors_module(dtype, TARGET), target=TARGET)["poison"](out)
+    np.testing.assert_array_equal(out.numpy().astype("float32"), np.full(7, poison_value(dtype), "float32"))
