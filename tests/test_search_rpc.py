@@ -153,6 +153,12 @@ def test_outputs_are_checked_on_the_server_and_only_brought_here_when_wrong(tmp_
     def check(got, expected):
         check_remote([got], expected[1], expected[0], session, device, TARGET, str(tmp_path))
 
+    long_rows = rng.standard_normal((3, 8192)).astype("float16")  # measured in 8 pieces a row
+    check(_NoDownload(tvm.runtime.tensor(long_rows, device)), expecting(long_rows))
+    wrong = long_rows.copy()
+    wrong[2, 8000] += 1.0
+    with pytest.raises(ValueError, match="row 2 of 3 rows"):
+        check(tvm.runtime.tensor(wrong, device), expecting(long_rows))
     want = rng.standard_normal((4, 16, 1000)).astype("float16")
     expected = expecting(want)
     check(_NoDownload(tvm.runtime.tensor(want, device)), expected)
