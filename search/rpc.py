@@ -4,8 +4,9 @@ hands out (`python -m tvm.exec.rpc_tracker`, `python -m tvm.exec.rpc_server --tr
 
 There is one runner per free server at the start. Each runner asks the tracker for a server on its
 first job and keeps that connection for the run (a server starts a process, and a CUDA context, per
-connection: seconds with --no-fork, which CUDA servers need), with the task's inputs and reference
-uploaded once, and each candidate's outputs checked there (remote_check).
+connection: seconds with --no-fork, which CUDA servers need), with a task's inputs and reference
+uploaded once and kept there while the last tasks fit (runner.Kept), and each candidate's outputs
+checked there (remote_check).
 A candidate that fails, hangs or loses its server costs that trial and its runner, whose successor
 connects again; where no server comes free within SERVER_WAIT_S, the server is gone: the pool
 runs one runner fewer and the candidate goes to another (NoServerError). The reference is computed
@@ -17,11 +18,12 @@ import os
 import socket
 import time
 
+import numpy as np
 import tvm
 from tvm import rpc
 
 from .remote_check import check_remote, on_server
-from .runner import REPEAT, check_and_time, device_copy_gbps, expected, poisoned
+from .runner import REPEAT, Kept, check_and_time, device_copy_gbps, expected, poisoned, reference_path
 
 CONNECT_TIMEOUT_S = 5.0
 SERVER_WAIT_S = 10.0  # a runner waits this long for a free server before it counts one as gone
@@ -56,7 +58,7 @@ def free_servers(tracker: str, key: str) -> int:
     return free
 
 
-_CONNECTION: dict = {}  # in a runner: its server connection, its device, the current task's tensors there
+_CONNECTION: dict = {}  # in a runner: its server connection and its device
 
 
 def _connection(tracker: str, key: str, target):
@@ -82,14 +84,21 @@ def _connection(tracker: str, key: str, target):
     return _CONNECTION["remote"], _CONNECTION["device"]
 
 
-def _on_server(want, remote, device, target, scratch: str) -> tuple[list, list, list]:
-    """The task's inputs, poisoned outputs and references on the server, made once per task."""
-    if _CONNECTION.get("want") is not want:
-        _CONNECTION.update(want=None, inputs=None, poison=None, references=None)  # the last task's freed first
+_ON_SERVER = Kept()  # in a runner: the last tasks' tensors on its server
+
+
+def _on_server(key: str, want, remote, device, target, scratch: str) -> tuple[list, list, list]:
+    """The task's inputs, poisoned outputs and references on the server, made once per task and
+    kept while the last tasks fit (runner.Kept)."""
+    def make():
         references, poison = on_server(want, remote, device, target, scratch)
-        _CONNECTION.update(want=want, inputs=[tvm.runtime.tensor(a.numpy(), device) for a in want.inputs],
-                           poison=poison, references=references)
-    return _CONNECTION["inputs"], _CONNECTION["poison"], _CONNECTION["references"]
+        return [tvm.runtime.tensor(a.numpy(), device) for a in want.inputs], poison, references
+
+    def nbytes():
+        tensors = want.inputs + want.poison + want.poison  # the references: the outputs' size again
+        return sum(int(np.prod(t.shape)) * tvm.DataType(str(t.dtype)).bits // 8 for t in tensors)
+
+    return _ON_SERVER.get(key, make, nbytes)
 
 
 def _device(remote, target):
@@ -103,7 +112,8 @@ def run_candidate_rpc(func_json: str, target_json: str, dims: dict, scratch: str
     target = tvm.target.Target(target_json)
     want = expected(func_json, dims, tvm.cpu(), scratch)  # computed here, once per task
     remote, device = _connection(tracker, key, target)
-    inputs, poison, references = _on_server(want, remote, device, target, scratch)
+    inputs, poison, references = _on_server(reference_path(func_json, dims, scratch), want, remote, device, target,
+                                            scratch)
     name = os.path.basename(lib_path)
     remote.upload(lib_path)
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 import tvm
 
-from .check import check_outputs, output_bounds, output_count, reference_arrays
+from .check import check_outputs, output_bounds, output_count, reference_arrays, task_bytes
 
 REPEAT = 20  # timed calls per candidate on a GPU (each after an L2 flush); CPU: repeats of 10 calls
 FLUSH_BYTES = 256 << 20  # twice the largest L2 we target
@@ -29,7 +30,31 @@ class Expected:
     poison: list  # per output, a device tensor of its shape no correct candidate leaves in place
 
 
-_EXPECTED: dict = {}  # in a runner: the current task's Expected
+KEPT_BYTES = 4 << 30  # the tasks' tensors a runner keeps, here and on its server
+
+
+class Kept:
+    """What a runner made for the tasks it measured last, newest kept always, older ones while the
+    tasks' bytes stay under `budget`: the scheduler returns to a task batch after batch, and making
+    its tensors again costs a reference load and an upload (through an RPC socket, seconds a task)."""
+
+    def __init__(self, budget: int = KEPT_BYTES):
+        self.budget, self.items = budget, OrderedDict()  # key -> (value, bytes), oldest first
+
+    def get(self, key, make, nbytes):
+        """The value kept under `key`, else `make()`, after older values are let go (oldest first)
+        until `nbytes()` more fit the budget."""
+        if key in self.items:
+            self.items.move_to_end(key)
+            return self.items[key][0]
+        size = nbytes()
+        while self.items and sum(n for _, n in self.items.values()) + size > self.budget:
+            self.items.popitem(last=False)
+        self.items[key] = (make(), size)
+        return self.items[key][0]
+
+
+_EXPECTED = Kept()  # in a runner: the last tasks' Expected
 
 
 def reference_path(func_json: str, dims: dict, scratch: str) -> str:
@@ -45,19 +70,20 @@ def prepare_reference(func_json: str, dims: dict, scratch: str) -> None:
 
 
 def expected(func_json: str, dims: dict, device, scratch: str) -> Expected:
-    """The task's Expected, computed once per task (one task at a time is kept on the device)."""
+    """The task's Expected, made once per task and kept while the last tasks fit KEPT_BYTES."""
     path = reference_path(func_json, dims, scratch)  # one per task and dims: also the key here
-    if path not in _EXPECTED:
-        _EXPECTED.clear()  # free the last task's device memory
+
+    def make() -> Expected:
         func = tvm.ir.load_json(func_json)
         outputs = output_count(func)
         arrays, in_order = reference_arrays(func, dims, path)
         params, wants = func.params[-outputs:], arrays[-outputs:]
-        _EXPECTED[path] = Expected(
+        return Expected(
             [tvm.runtime.tensor(a, device) for a in arrays[:-outputs]],
             [output_bounds(w, str(p.ty.dtype), p.name, o) for w, p, o in zip(wants, params, in_order or [None] * outputs)],
             [tvm.runtime.tensor(np.full(w.shape, poison_value(str(w.dtype)), w.dtype), device) for w in wants])
-    return _EXPECTED[path]
+
+    return _EXPECTED.get(path, make, lambda: task_bytes(tvm.ir.load_json(func_json), dims))
 
 
 def poison_value(dtype: str) -> float:

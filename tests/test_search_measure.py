@@ -145,6 +145,24 @@ def test_bf16_layer_norm_reference_is_right(tmp_path):
     assert np.abs(got.outputs[0].want.reshape(want.shape) - want).max() < 0.1
 
 
+def test_a_runner_keeps_the_last_tasks_it_measured_within_its_budget(tmp_path, monkeypatch):
+    """The scheduler returns to a task batch after batch: its Expected is kept (the same object,
+    not loaded and sent again) while the last tasks fit the budget, the oldest let go first."""
+    from tvm_ext.search import runner  # noqa: PLC0415
+
+    funcs = [tvm.ir.save_json(extract_tasks(relax_module("softmax", [64, n], "float32"), TARGET)[0].func)
+             for n in (256, 512, 1024)]
+    sizes = [64 * n * 4 * 2 for n in (256, 512, 1024)]  # float32 input and output
+    monkeypatch.setattr(runner, "_EXPECTED", runner.Kept(budget=sizes[0] + sizes[1]))
+    first = runner.expected(funcs[0], {}, tvm.cpu(), str(tmp_path))
+    second = runner.expected(funcs[1], {}, tvm.cpu(), str(tmp_path))
+    assert runner.expected(funcs[0], {}, tvm.cpu(), str(tmp_path)) is first
+    assert [size for _, size in runner._EXPECTED.items.values()] == [sizes[1], sizes[0]]
+    runner.expected(funcs[2], {}, tvm.cpu(), str(tmp_path))  # over the budget: both older ones go
+    assert len(runner._EXPECTED.items) == 1
+    assert runner.expected(funcs[1], {}, tvm.cpu(), str(tmp_path)) is not second
+
+
 def test_a_matmul_reference_reads_float32_operands_on_parallel_rows(rng):
     """The unscheduled fp16 reference of a 512 x 4096 x 4096 Linear took 92 s on the CPU; this one
     converts the operands once (exactly) and spreads rows over cores, and must still be right."""
