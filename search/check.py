@@ -223,10 +223,10 @@ def reference_arrays(func, dims: dict, path: str) -> tuple[list[np.ndarray], lis
                 return ([saved[f"a{i}"].view(d) for i, d in enumerate(dtypes)],
                         [saved[f"o{i}"].view(d) for i, d in enumerate(dtypes[-outputs:]) if f"o{i}" in saved])
         arrays = _arrays(func, dims)
-        exact, *in_order = [[a.astype(d) for a, d in zip(_run_on_cpu(ref, arrays, outputs), dtypes[-outputs:])]
-                            for ref in references(func)]
-        arrays[-outputs:] = exact
-        in_order = in_order[0] if in_order else []
+        results = [[a.astype(d) for a, d in zip(_run_on_cpu(ref, arrays, outputs), dtypes[-outputs:])]
+                   for ref in references(func)]
+        arrays[-outputs:] = results[0]
+        in_order = results[1] if len(results) > 1 else []
         np.savez(path + ".tmp.npz", **{f"a{i}": a for i, a in enumerate(arrays)},
                  **{f"o{i}": a for i, a in enumerate(in_order)})
         os.replace(path + ".tmp.npz", path)

@@ -91,7 +91,8 @@ def _within_bounds(got, want, out, remote, device, target, scratch: str) -> bool
     """Whether output `got` is within `out`'s bounds of the reference `want`, both on the server."""
     kernel = _kernel(remote, out.dtype, target, scratch)
     rows, width = out.want.shape
-    shape = (rows * _pieces(width), width // _pieces(width))
+    pieces = _pieces(width)
+    shape = (rows * pieces, width // pieces)
     largest, summed = (tvm.runtime.empty((shape[0],), "float32", device) for _ in range(2))
     kernel["largest"](got._create_view(shape), want._create_view(shape), largest)
     kernel["summed"](got._create_view(shape), want._create_view(shape), summed)
