@@ -60,9 +60,27 @@ def in_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
     return values.astype(dtype)
 
 
-def _random(rng, shape, dtype: str) -> np.ndarray:
-    """Seeded standard-normal values in `dtype`."""
-    return in_dtype(rng.standard_normal(shape, dtype="float32"), dtype)
+SEEDED_BITS = {"float16": 12, "bfloat16": 9, "float8_e4m3fn": 5, "float8_e5m2": 4}  # hash bits a value keeps: exact in
+# its dtype (24 for float32 and float64)
+HASH_MIX = (0x9E3779B9, 0x7FEB352D, 0x846CA68B)  # the seed's multiplier, then lowbias32's two multipliers
+
+
+def seeded_bits(dtype: str) -> int:
+    return SEEDED_BITS.get(dtype, 24)
+
+
+def seeded(shape, dtype: str, seed: int) -> np.ndarray:
+    """Values in [-2, 2) made from each element's flat index and `seed` by a 32-bit integer hash
+    (lowbias32), each exact in `dtype`: a server makes the same ones with remote_check's `seeded`
+    kernel instead of receiving them."""
+    n, bits = int(np.prod(shape)), seeded_bits(dtype)
+    x = np.arange(n, dtype=np.uint32) ^ np.uint32((seed + 1) * HASH_MIX[0] & 0xFFFFFFFF)
+    for shift, multiplier in ((16, HASH_MIX[1]), (15, HASH_MIX[2])):
+        x ^= x >> np.uint32(shift)
+        x *= np.uint32(multiplier)
+    x ^= x >> np.uint32(16)
+    steps = (x >> np.uint32(32 - bits)).astype(np.int32) - np.int32(1 << (bits - 1))
+    return in_dtype(steps.astype(np.float32) * np.float32(2.0 ** (2 - bits)), dtype).reshape(shape)
 
 
 def output_count(func) -> int:
@@ -76,12 +94,21 @@ def output_count(func) -> int:
     return len(written) - written.index(True)
 
 
+def input_seeds(func) -> list[int | None]:
+    """Per input parameter of `func`, the seed its values are made from, or None: zeros."""
+    inputs = len(func.params) - output_count(func)
+    return [i if "float" in str(p.ty.dtype) else None for i, p in enumerate(func.params[:inputs])]
+
+
 def _arrays(func, dims: dict) -> list[np.ndarray]:
-    """Seeded random inputs and zeroed outputs for every parameter buffer of `func`."""
-    rng, arrays, inputs = np.random.default_rng(0), [], len(func.params) - output_count(func)
+    """Seeded inputs (zeros where they are not floating point) and zeroed outputs for every
+    parameter buffer of `func`."""
+    seeds = input_seeds(func)
+    arrays = []
     for i, param in enumerate(func.params):
         shape, dtype = _concrete(param.shape, dims), str(param.ty.dtype)
-        arrays.append(_random(rng, shape, dtype) if i < inputs and "float" in dtype else np.zeros(shape, dtype))
+        seed = seeds[i] if i < len(seeds) else None
+        arrays.append(np.zeros(shape, dtype) if seed is None else seeded(shape, dtype, seed))
     return arrays
 
 

@@ -1,8 +1,9 @@
-"""A candidate's outputs checked where they are, on an RPC server: a small kernel there computes
-each row's largest and summed |got - want| (check.output_bounds' two measures), so that two
-numbers a row cross the network instead of the whole output (100 MB for a 49152 x 1024 fp16 norm:
-seconds a candidate through a server's socket). Only a row outside its bounds, a reference with
-NaN or infinities, or an integer output bring the output here, for check_outputs' exact message."""
+"""A task's tensors made, and a candidate's outputs checked, where they are used: on an RPC server,
+whose socket moves 30-60 MB/s. Seeded inputs are made there by a kernel (check.seeded's values),
+and a small kernel computes each output row's largest and summed |got - want| (check.output_bounds'
+two measures), so that two numbers a row cross the network instead of the whole output (100 MB for
+a 49152 x 1024 fp16 norm). Only a row outside its bounds, a reference with NaN or infinities, or an
+integer output bring the output here, for check_outputs' exact message."""
 
 from __future__ import annotations
 
@@ -13,16 +14,17 @@ import tvm
 from tvm import te
 from tvm.s_tir import dlight as dl
 
-from .check import check_outputs, in_dtype
+from .check import HASH_MIX, check_outputs, in_dtype, seeded_bits
 from .runner import poison_value
 
-_KERNELS: dict = {}  # in a runner: (output dtype, target) -> the row-errors module on its server
+_KERNELS: dict = {}  # in a runner: (session id, dtype, target) -> (session, the server module there)
 
 
-def row_errors_module(dtype: str, target) -> tvm.IRModule:
+def server_module(dtype: str, target) -> tvm.IRModule:
     """`largest(got, want, out)` and `summed(got, want, out)` over the rows of a (rows, width)
-    output of `dtype` and its reference in `dtype`, and `poison(out)` filling a flat output with
-    runner.poison_value; every dim symbolic: one build serves every task of that dtype."""
+    output of `dtype` and its reference in `dtype`, `poison(out)` filling a flat output with
+    runner.poison_value and, for floating point, `seeded(out, mix)` making check.seeded's values in
+    a flat input; every dim symbolic: one build serves every task of that dtype."""
     rows, width, size = (tvm.tirx.Var(name, "int64") for name in ("rows", "width", "size"))
     got, want = te.placeholder((rows, width), dtype, "got"), te.placeholder((rows, width), dtype, "want")
 
@@ -35,11 +37,32 @@ def row_errors_module(dtype: str, target) -> tvm.IRModule:
     funcs = {name: te.create_prim_func([got, want, error(reduce)]) for name, reduce in (("largest", te.max),
                                                                                           ("summed", te.sum))}
     funcs["poison"] = te.create_prim_func([poison])
+    if "float" in dtype:
+        mix = tvm.tirx.Var("mix", "uint32")
+        funcs["seeded"] = te.create_prim_func([te.compute((size,), lambda i: _seeded_value(i, mix, dtype), "seeded"),
+                                               mix])
     mod = tvm.IRModule({name: func.with_attr("global_symbol", name) for name, func in funcs.items()})
     if "gpu" in target.keys:
         with target:
             mod = dl.ApplyDefaultSchedule(dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
     return mod
+
+
+def _seeded_value(index, mix, dtype: str):
+    """check.seeded's value at flat `index`, `mix` being its seed's multiple of HASH_MIX[0]."""
+    u32 = lambda v: tvm.tirx.const(v, "uint32")  # noqa: E731
+    x = tvm.tirx.Cast("uint32", index) ^ mix
+    for shift, multiplier in ((16, HASH_MIX[1]), (15, HASH_MIX[2])):
+        x = (x ^ (x >> u32(shift))) * u32(multiplier)
+    x = x ^ (x >> u32(16))
+    bits = seeded_bits(dtype)
+    steps = tvm.tirx.Cast("int32", x >> u32(32 - bits)) - (1 << (bits - 1))
+    return (tvm.tirx.Cast("float32", steps) * tvm.tirx.const(2.0 ** (2 - bits), "float32")).astype(dtype)
+
+
+def seed_mix(seed: int) -> int:
+    """The `mix` argument of the `seeded` kernel for `seed` (check.seeded's)."""
+    return (seed + 1) * HASH_MIX[0] & 0xFFFFFFFF
 
 
 def _poison_bits(dtype: str):
@@ -51,28 +74,41 @@ def _poison_bits(dtype: str):
 
 
 def _kernel(remote, dtype: str, target, scratch: str):
-    """The row-errors module for `dtype`, built here once and loaded on the server."""
-    if (dtype, str(target)) not in _KERNELS:
-        path = os.path.join(scratch, f"row-errors-{os.getpid()}-{dtype}.so")
-        tvm.compile(row_errors_module(dtype, target), target=target).export_library(path)
+    """The server module for `dtype`, built here once and loaded on `remote`'s server."""
+    key = (id(remote), dtype, str(target))  # the session is kept beside its module: its id stays its own
+    if key not in _KERNELS:
+        path = os.path.join(scratch, f"server-kernels-{os.getpid()}-{dtype}.so")
+        tvm.compile(server_module(dtype, target), target=target).export_library(path)
         remote.upload(path)
-        _KERNELS[(dtype, str(target))] = remote.load_module(os.path.basename(path))
-    return _KERNELS[(dtype, str(target))]
+        _KERNELS[key] = (remote, remote.load_module(os.path.basename(path)))
+    return _KERNELS[key][1]
 
 
-def on_server(want, remote, device, target, scratch: str) -> tuple[list, list]:
-    """(each output's reference on the server in its own dtype, or None for one checked here: an
-    integer output, or one whose reference has NaN or infinities; each output poisoned there) for
-    the runner's Expected `want`, made once per task: the references are exact in the output's
-    dtype (check.reference_arrays rounds them to it), half a float32 copy's bytes, and the poison
-    is written there, not sent."""
+def on_server(want, remote, device, target, scratch: str) -> tuple[list, list, list]:
+    """(the task's inputs, each output's reference, each output poisoned) on the server, for the
+    runner's Expected `want`, made once per task. Seeded inputs are made there by the `seeded`
+    kernel (check.seeded's values, bit for bit), the others (zeros) sent. A reference is sent in
+    the output's dtype (exact: check.reference_arrays rounds it to it), or None for an output
+    checked here: an integer one, or one whose reference has NaN or infinities. The poison is
+    written there."""
+    inputs = []
+    for local, seed in zip(want.inputs, want.seeds):
+        if seed is None:
+            inputs.append(tvm.runtime.tensor(local.numpy(), device))
+            continue
+        inputs.append(tvm.runtime.empty(local.shape, local.dtype, device))
+        _kernel(remote, str(local.dtype), target, scratch)["seeded"](_flat(inputs[-1]), seed_mix(seed))
     wants, poison = [], []
     for out, local in zip(want.outputs, want.poison):
         checkable = "float" in out.dtype and not out.special.size
         wants.append(tvm.runtime.tensor(in_dtype(out.want, out.dtype), device) if checkable else None)
         poison.append(tvm.runtime.empty(local.shape, out.dtype, device))
-        _kernel(remote, out.dtype, target, scratch)["poison"](poison[-1]._create_view((int(np.prod(local.shape)),)))
-    return wants, poison
+        _kernel(remote, out.dtype, target, scratch)["poison"](_flat(poison[-1]))
+    return inputs, wants, poison
+
+
+def _flat(tensor):
+    return tensor._create_view((int(np.prod(tensor.shape)),))
 
 
 PIECE = 1024  # a row longer than this is measured in pieces of at least this many elements, a thread each

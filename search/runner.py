@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import tvm
 
-from .check import check_outputs, output_bounds, output_count, reference_arrays, task_bytes
+from .check import check_outputs, input_seeds, output_bounds, output_count, reference_arrays, task_bytes
 
 REPEAT = 20  # timed calls per candidate on a GPU (each after an L2 flush); CPU: repeats of 10 calls
 FLUSH_BYTES = 256 << 20  # twice the largest L2 we target
@@ -26,6 +26,7 @@ def _device(target):
 class Expected:
     """A task's inputs on the device and what its outputs must be, kept by the runner across candidates."""
     inputs: list
+    seeds: list  # per input, the check.seeded seed of its values, or None (zeros)
     outputs: list  # one check.Output per output parameter
     poison: list  # per output, a device tensor of its shape no correct candidate leaves in place
 
@@ -79,7 +80,7 @@ def expected(func_json: str, dims: dict, device, scratch: str) -> Expected:
         arrays, in_order = reference_arrays(func, dims, path)
         params, wants = func.params[-outputs:], arrays[-outputs:]
         return Expected(
-            [tvm.runtime.tensor(a, device) for a in arrays[:-outputs]],
+            [tvm.runtime.tensor(a, device) for a in arrays[:-outputs]], input_seeds(func),
             [output_bounds(w, str(p.ty.dtype), p.name, o) for w, p, o in zip(wants, params, in_order or [None] * outputs)],
             [tvm.runtime.tensor(np.full(w.shape, poison_value(str(w.dtype)), w.dtype), device) for w in wants])
 

@@ -145,8 +145,8 @@ def test_outputs_are_checked_on_the_server_and_only_brought_here_when_wrong(tmp_
     device = session.cpu()
 
     def expecting(want):
-        expected = Expected([], [output_bounds(want, "float16", "y")], [tvm.runtime.tensor(np.zeros_like(want))])
-        there, poison = on_server(expected, session, device, TARGET, str(tmp_path))
+        expected = Expected([], [], [output_bounds(want, "float16", "y")], [tvm.runtime.tensor(np.zeros_like(want))])
+        _, there, poison = on_server(expected, session, device, TARGET, str(tmp_path))
         assert poison[0].shape == want.shape and np.isnan(poison[0].numpy()).all()
         return expected.outputs, there
 
@@ -180,22 +180,59 @@ def test_outputs_are_checked_on_the_server_and_only_brought_here_when_wrong(tmp_
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int32"])
 def test_the_servers_check_and_poison_kernels_build_for_cuda_and_poison_as_the_runner(dtype):
-    """The kernels remote_check builds for a CUDA server compile with nvcc (a bfloat16 NaN written
-    as a constant did not), and the poison is runner.poison_value."""
+    """The kernels remote_check builds for a CUDA server (a seeded-input one for floating point)
+    compile with nvcc (a bfloat16 NaN written as a constant did not), and the poison is
+    runner.poison_value."""
     import shutil  # noqa: PLC0415
 
     from tvm.support import nvcc  # noqa: PLC0415
 
     import tvm_ext  # noqa: PLC0415
-    from tvm_ext.search.remote_check import row_errors_module  # noqa: PLC0415
+    from tvm_ext.search.remote_check import server_module  # noqa: PLC0415
     from tvm_ext.search.runner import poison_value  # noqa: PLC0415
 
     cuda = tvm_ext.parse_target({"tag": "nvidia/nvidia-h100", "arch": "sm_90a"})
-    src = tvm_ext.cuda_source(tvm.compile(row_errors_module(dtype, cuda), target=cuda))
-    assert {"largest_kernel", "summed_kernel", "poison_kernel"} <= set(re.findall(r"\w+_kernel", src))
+    src = tvm_ext.cuda_source(tvm.compile(server_module(dtype, cuda), target=cuda))
+    kernels = {"largest_kernel", "summed_kernel", "poison_kernel"} | ({"seeded_kernel"} if "float" in dtype else set())
+    assert kernels == set(re.findall(r"\w+_kernel", src)) & (kernels | {"seeded_kernel"})
     if shutil.which("nvcc"):
         with cuda:
             assert bytes(nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")[:4]) == b"\x7fELF"
     out = tvm.runtime.empty((7,), dtype)
-    tvm.compile(row_errors_module(dtype, TARGET), target=TARGET)["poison"](out)
+    tvm.compile(server_module(dtype, TARGET), target=TARGET)["poison"](out)
     np.testing.assert_array_equal(out.numpy().astype("float32"), np.full(7, poison_value(dtype), "float32"))
+
+
+class _NotSent:
+    """A task input that fails the test if it is read here to be sent."""
+
+    def __init__(self, tensor):
+        self.shape, self.dtype = tensor.shape, tensor.dtype
+
+    def numpy(self):
+        raise AssertionError("the input was sent")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_seeded_inputs_are_made_on_the_server_bit_for_bit(tmp_path, dtype):
+    """A task's seeded inputs are made by the server's kernel, never sent, with check.seeded's bits
+    (the reference was computed here on those); an integer input (zeros) is sent."""
+    from tvm import rpc  # noqa: PLC0415
+
+    from tvm_ext.search.check import input_seeds, seeded  # noqa: PLC0415
+    from tvm_ext.search.remote_check import on_server  # noqa: PLC0415
+    from tvm_ext.search.runner import Expected  # noqa: PLC0415
+
+    x, w = tvm.te.placeholder((37, 301), dtype, "x"), tvm.te.placeholder((301,), dtype, "w")
+    index = tvm.te.placeholder((37,), "int32", "index")
+    y = tvm.te.compute((37, 301), lambda i, j: x[i, j] * w[j] + index[i].astype(dtype), "y")
+    func = tvm.te.create_prim_func([x, w, index, y])
+    assert input_seeds(func) == [0, 1, None]
+    arrays = [seeded((37, 301), dtype, 0), seeded((301,), dtype, 1), np.arange(37, dtype="int32")]
+    assert not np.array_equal(arrays[0][0], arrays[1])  # each input its own values
+    session = rpc.LocalSession()
+    device = session.cpu()
+    local = [_NotSent(a) for a in arrays[:2]] + [tvm.runtime.tensor(arrays[2])]
+    inputs, _, _ = on_server(Expected(local, input_seeds(func), [], []), session, device, TARGET, str(tmp_path))
+    for made, want in zip(inputs, arrays):
+        assert made.dtype == str(want.dtype) and np.array_equal(made.numpy().view(np.uint8), want.view(np.uint8))
