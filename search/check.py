@@ -69,12 +69,17 @@ def seeded_bits(dtype: str) -> int:
     return SEEDED_BITS.get(dtype, 24)
 
 
+def seed_mix(seed: int) -> int:
+    """What `seed` is xor-ed into each element's index as (also the server kernel's `mix` argument)."""
+    return (seed + 1) * HASH_MIX[0] & 0xFFFFFFFF
+
+
 def seeded(shape, dtype: str, seed: int) -> np.ndarray:
     """Values in [-2, 2) made from each element's flat index and `seed` by a 32-bit integer hash
     (lowbias32), each exact in `dtype`: a server makes the same ones with remote_check's `seeded`
     kernel instead of receiving them."""
     n, bits = int(np.prod(shape)), seeded_bits(dtype)
-    x = np.arange(n, dtype=np.uint32) ^ np.uint32((seed + 1) * HASH_MIX[0] & 0xFFFFFFFF)
+    x = np.arange(n, dtype=np.uint32) ^ np.uint32(seed_mix(seed))
     for shift, multiplier in ((16, HASH_MIX[1]), (15, HASH_MIX[2])):
         x ^= x >> np.uint32(shift)
         x *= np.uint32(multiplier)

@@ -14,10 +14,10 @@ import tvm
 from tvm import te
 from tvm.s_tir import dlight as dl
 
-from .check import HASH_MIX, check_outputs, in_dtype, seeded_bits
+from .check import HASH_MIX, check_outputs, in_dtype, seed_mix, seeded_bits
 from .runner import poison_value
 
-_KERNELS: dict = {}  # in a runner: (session id, dtype, target) -> (session, the server module there)
+_KERNELS: dict = {}  # in a runner: (connection id, dtype, target) -> (connection, the server module there)
 
 
 def server_module(dtype: str, target) -> tvm.IRModule:
@@ -49,7 +49,7 @@ def server_module(dtype: str, target) -> tvm.IRModule:
 
 
 def _seeded_value(index, mix, dtype: str):
-    """check.seeded's value at flat `index`, `mix` being its seed's multiple of HASH_MIX[0]."""
+    """check.seeded's value at flat `index`, `mix` being check.seed_mix of its seed."""
     u32 = lambda v: tvm.tirx.const(v, "uint32")  # noqa: E731
     x = tvm.tirx.Cast("uint32", index) ^ mix
     for shift, multiplier in ((16, HASH_MIX[1]), (15, HASH_MIX[2])):
@@ -58,11 +58,6 @@ def _seeded_value(index, mix, dtype: str):
     bits = seeded_bits(dtype)
     steps = tvm.tirx.Cast("int32", x >> u32(32 - bits)) - (1 << (bits - 1))
     return (tvm.tirx.Cast("float32", steps) * tvm.tirx.const(2.0 ** (2 - bits), "float32")).astype(dtype)
-
-
-def seed_mix(seed: int) -> int:
-    """The `mix` argument of the `seeded` kernel for `seed` (check.seeded's)."""
-    return (seed + 1) * HASH_MIX[0] & 0xFFFFFFFF
 
 
 def _poison_bits(dtype: str):
@@ -75,7 +70,7 @@ def _poison_bits(dtype: str):
 
 def _kernel(remote, dtype: str, target, scratch: str):
     """The server module for `dtype`, built here once and loaded on `remote`'s server."""
-    key = (id(remote), dtype, str(target))  # the session is kept beside its module: its id stays its own
+    key = (id(remote), dtype, str(target))  # the connection is kept beside its module: its id stays its own
     if key not in _KERNELS:
         path = os.path.join(scratch, f"server-kernels-{os.getpid()}-{dtype}.so")
         tvm.compile(server_module(dtype, target), target=target).export_library(path)
@@ -85,7 +80,7 @@ def _kernel(remote, dtype: str, target, scratch: str):
 
 
 def on_server(want, remote, device, target, scratch: str) -> tuple[list, list, list]:
-    """(the task's inputs, each output's reference, each output poisoned) on the server, for the
+    """(the task's inputs, each output poisoned, each output's reference) on the server, for the
     runner's Expected `want`, made once per task. Seeded inputs are made there by the `seeded`
     kernel (check.seeded's values, bit for bit), the others (zeros) sent. A reference is sent in
     the output's dtype (exact: check.reference_arrays rounds it to it), or None for an output
@@ -104,7 +99,7 @@ def on_server(want, remote, device, target, scratch: str) -> tuple[list, list, l
         wants.append(tvm.runtime.tensor(in_dtype(out.want, out.dtype), device) if checkable else None)
         poison.append(tvm.runtime.empty(local.shape, out.dtype, device))
         _kernel(remote, out.dtype, target, scratch)["poison"](_flat(poison[-1]))
-    return inputs, wants, poison
+    return inputs, poison, wants
 
 
 def _flat(tensor):

@@ -91,8 +91,7 @@ def _on_server(key: str, want, remote, device, target, scratch: str) -> tuple[li
     """The task's inputs, poisoned outputs and references on the server, made once per task and
     kept while the last tasks fit (runner.Kept)."""
     def make():
-        inputs, references, poison = on_server(want, remote, device, target, scratch)
-        return inputs, poison, references
+        return on_server(want, remote, device, target, scratch)
 
     def nbytes():
         tensors = want.inputs + want.poison + want.poison  # the references: the outputs' size again

@@ -146,7 +146,7 @@ def test_outputs_are_checked_on_the_server_and_only_brought_here_when_wrong(tmp_
 
     def expecting(want):
         expected = Expected([], [], [output_bounds(want, "float16", "y")], [tvm.runtime.tensor(np.zeros_like(want))])
-        _, there, poison = on_server(expected, session, device, TARGET, str(tmp_path))
+        _, poison, there = on_server(expected, session, device, TARGET, str(tmp_path))
         assert poison[0].shape == want.shape and np.isnan(poison[0].numpy()).all()
         return expected.outputs, there
 
