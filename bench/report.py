@@ -31,20 +31,22 @@ def markdown(result: dict) -> str:
     impls = [i for i in IMPLS if any(r["impl"] == i for r in result["rows"])]
     head = (f"{result['device']}, {result['date']}, torch {result['torch']}, TVM {result['tvm']}; "
             f"device copy {result['copy_gbps']:.0f} GB/s. GB/s = effective bandwidth (bytes that must cross HBM "
-            "once / time); speed-up = their time / our time (>1: we are faster); err = max abs error of ours vs "
+            "once / time); speed-up = their time / our time (>1: we are faster); times are device times (the host "
+            "kept ahead), the wall column do_bench's (host included); err = max abs error of ours vs "
             "PyTorch eager.\n\n")
     strategies = any("strategy" in r for r in result["rows"])
     spelled = "ours_spelled" in impls  # a spelled-out pattern beside the single op: its own two ratios
+    walls = any("wall_us" in r for r in result["rows"])
     cols = ["case", "ours us"] + [f"{i} GB/s" for i in impls] + [
-        "vs torch.compile", "vs dlight", "ours % of copy", "ours % of same-size copy", "ours err",
+        "vs torch.compile"] + (["vs torch.compile, wall"] if walls else []) + ["vs dlight", "ours % of copy", "ours % of same-size copy", "ours err",
         "kernels ours/dlight"] + (
         ["spelled: single op / spelled", "spelled vs torch.compile (spelled)", "kernels spelled ours/dlight"]
         if spelled else []) + (["strategy"] if strategies else [])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for label, by_impl in _grouped(result).items():
         ours = by_impl.get("ours", {})
-        speed = lambda other: (f"{by_impl[other]['us'] / ours['us']:.2f}x"  # noqa: E731
-                               if "us" in by_impl.get(other, {}) and "us" in ours else "-")
+        speed = lambda other, key="us": (f"{by_impl[other][key] / ours[key]:.2f}x"  # noqa: E731
+                                         if key in by_impl.get(other, {}) and key in ours else "-")
         gbps = [f"{by_impl[i]['gbps']:.0f}" if "gbps" in by_impl.get(i, {}) else "fail" if i in by_impl else "-"
                 for i in impls]
         pct = f"{100 * ours['gbps'] / result['copy_gbps']:.0f}%" if "gbps" in ours else "-"
@@ -58,8 +60,9 @@ def markdown(result: dict) -> str:
                         f"{by_impl.get('ours_spelled', {}).get('kernels', '-')}/"
                         f"{by_impl.get('tvm_dlight_spelled', {}).get('kernels', '-')}"] if spelled else []
         extra = [ours.get("strategy", "-")] if strategies else []
-        lines.append("| " + " | ".join([label, us] + gbps + [speed("torch_compile"), speed("tvm_dlight"), pct, pct_same, err,
-                                                              kern] + spelled_cols + extra) + " |")
+        wall = [speed("torch_compile", "wall_us")] if walls else []
+        lines.append("| " + " | ".join([label, us] + gbps + [speed("torch_compile")] + wall + [
+            speed("tvm_dlight"), pct, pct_same, err, kern] + spelled_cols + extra) + " |")
     return head + "\n".join(lines) + "\n" + summary(result)
 
 

@@ -93,6 +93,16 @@ def test_the_report_sums_up_the_static_cases_against_copy_and_torch_compile():
                                                "copy; 1.00x torch.compile, 1 of 2 at 1.0x or more.")
 
 
+def test_the_report_gives_device_and_wall_ratios_where_wall_times_were_taken():
+    from bench.report import markdown  # noqa: PLC0415
+
+    rows = [{"case": "a", "impl": "ours", "us": 10.0, "wall_us": 30.0, "gbps": 2000.0, "max_abs_err": 0.0, "n": None},
+            {"case": "a", "impl": "torch_compile", "us": 20.0, "wall_us": 15.0, "gbps": 1000.0, "n": None}]
+    table = markdown({"device": "GPU", "date": "today", "torch": "t", "tvm": "v", "copy_gbps": 4000.0, "rows": rows})
+    assert "| vs torch.compile | vs torch.compile, wall | vs dlight |" in table
+    assert "| a | 10.0 | 2000 | 1000 | 2.00x | 0.50x | - |" in table
+
+
 def test_tuning_writes_a_report_picture_and_exports_a_metaschedule_database(tmp_path):
     model = tmp_path / "small.py"
     model.write_text("from bench.suite import relax_module\n\n\ndef build_module():\n"
