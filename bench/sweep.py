@@ -4,7 +4,7 @@
         --grid '{"strategy": ["block_row"], "threads": [64, 128, 256], "cache": [false, true]}'
 
 Each variant is built through `tvm_ext.build(..., database=<a one-record log>)`, checked against
-PyTorch eager, and timed like bench.run; the heuristic's own choice is timed alongside.
+PyTorch eager, and timed like bench.run's device time; the heuristic's own choice is timed alongside.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tvm_ext.records import append_record
 from tvm_ext import schedules  # noqa: E402
 import torch  # noqa: E402
 
-from bench.run import TORCH_DTYPE, max_err, time_us, torch_fn, tvm_callable  # noqa: E402
+from bench.run import TORCH_DTYPE, flushed_device_us, max_err, torch_fn, tvm_callable  # noqa: E402
 from bench.suite import effective_bytes, input_shapes, load_suite, relax_module  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
                 try:
                     fn = tvm_callable(tvm_ext.build(mod, target, database=log))
                     err = max_err(fn(*inputs), ref)
-                    us = time_us(fn, inputs)
+                    us = flushed_device_us(fn, inputs)
                 except Exception as e:  # a variant a template refuses or TVM cannot lower
                     print(f"  {variant}: failed: {str(e).strip().splitlines()[-1][:150]}", flush=True)
                     continue

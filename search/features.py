@@ -46,7 +46,8 @@ def _launch(knobs: dict, rows: int, device: Device) -> tuple[int, int, int, int]
         return threads, rows * per_row, threads * per_row, 1
     if strategy in ("column_reduce", "column_split"):  # column_reduce: one split of the rows
         cols, lanes, splits = int(knobs["cols"]), int(knobs["lanes"]), int(knobs.get("splits", 1))
-        return cols * lanes, math.ceil(rows / cols) * splits, lanes * splits, cols
+        width = cols * int(knobs.get("vec", 1))  # columns of a block
+        return cols * lanes, math.ceil(rows / width) * splits, lanes * splits, width
     return 1, max(1, rows // max(1, device.sm_count)), int(knobs.get("lanes", 1)), 1  # cpu_rows
 
 

@@ -251,29 +251,38 @@ def test_a_column_sum_with_an_epilogue_is_right_on_the_gpu(knobs, rng):
     np.testing.assert_allclose(args[2].numpy(), x.astype("float64").sum(0) + bias, rtol=1e-5, atol=1e-5)
 
 
-SPLIT_KNOBS = {"strategy": "column_split", "cols": 32, "lanes": 8, "splits": 4}
+# whole tiles and steps, scalar and vector loads; then tiles of 24 x 4 columns (85 and a third of them
+# over 8192) and 6 splits of 180 rows in 20 lanes (the last split 100 rows, each's last step partial)
+SPLIT_KNOBS = [{"strategy": "column_split", "cols": 32, "lanes": 8, "splits": 4, "vec": vec} for vec in (1, 4)] + [
+    {"strategy": "column_split", "cols": 24, "lanes": 20, "splits": 6, "vec": 4}]
+SPLIT_IDS = ["scalar", "vectors", "ragged"]
 
 
-def test_a_column_split_sum_with_an_epilogue_adds_the_bias_once_in_the_last_block():
-    # 1000 rows in 4 splits of whole steps, 16 x 512 columns as 256 tiles of 32: the epilogue's
-    # two spatial dims come from the flat column, and only the tile's last block writes them
-    lib = _column_sum_then_bias(1000, SPLIT_KNOBS)
+@pytest.mark.parametrize("knobs", SPLIT_KNOBS, ids=SPLIT_IDS)
+def test_a_column_split_sum_with_an_epilogue_adds_the_bias_once_in_the_last_block(knobs):
+    # the epilogue's two spatial dims come from the flat column, and only the tile's last block writes them
+    lib = _column_sum_then_bias(1000, knobs)
     src = lib.mod.imports[0].inspect_source()
-    body = src.split("atomicAdd", 1)[1]
-    assert "bias_ptr[" in body and "bias_ptr[" not in src.split("atomicAdd", 1)[0].split("__global__")[-1]
-    assert re.search(r"if \(\(\(\(int\)threadIdx.y\) == 0\) && \(last_ptr\[0\] == 1\)\)", body)
+    before, body = src.split("atomicAdd", 1)
+    assert "bias_ptr[" in body and "bias_ptr[" not in before.split("__global__")[-1]
+    last = body.index("if (last_ptr[0] == 1) {")
+    assert last < body.index("bias_ptr["), "only the tile's last block runs the epilogue"
+    assert ("*(float4*)(x_ptr + " in before) == (knobs["vec"] == 4), "a 16-byte load a row where vec is 4"
     if shutil.which("nvcc"):
         with tvm_ext.parse_target(CUDA_TARGET):
             assert bytes(nvcc.compile_cuda(src, target_format="cubin", compiler="nvcc")[:4]) == b"\x7fELF"
 
 
 @pytest.mark.gpu
-def test_a_column_split_sum_with_an_epilogue_is_right_on_the_gpu_twice(rng):
+@pytest.mark.parametrize("knobs", SPLIT_KNOBS, ids=SPLIT_IDS)
+def test_a_column_split_sum_with_an_epilogue_is_right_on_the_gpu_twice(knobs, rng):
     import numpy as np  # noqa: PLC0415
 
-    func = _column_sum_then_bias(1000, SPLIT_KNOBS)["main"]
-    state = [tvm.runtime.tensor(np.zeros(256, "int32"), tvm.cuda()),  # a counter per tile, 4 x 32 partials each
-             tvm.runtime.tensor(np.zeros(256 * 4 * 32, "float32"), tvm.cuda())]
+    func = _column_sum_then_bias(1000, knobs)["main"]
+    width = knobs["cols"] * knobs["vec"]
+    tiles = -(-16 * 512 // width)  # a counter per tile, splits x width partials each
+    state = [tvm.runtime.tensor(np.zeros(tiles, "int32"), tvm.cuda()),
+             tvm.runtime.tensor(np.zeros(tiles * knobs["splits"] * width, "float32"), tvm.cuda())]
     for _ in range(2):  # the second call must find every ticket counter reset by the first
         x, bias = rng.standard_normal((1000, 16, 512)).astype("float32"), rng.standard_normal(512).astype("float32")
         args = [tvm.runtime.tensor(v, tvm.cuda()) for v in (x, bias)]

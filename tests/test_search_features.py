@@ -55,8 +55,11 @@ def test_gemv_candidates_have_features_that_follow_their_knobs():
 def test_column_split_candidates_count_their_splits_as_blocks_and_lanes():
     points, x = table("col_sum", [262144, 64], "float32")
     col = {name: i for i, name in enumerate(NAMES)}
-    split = {(p["cols"], p["lanes"], p["splits"]): row for p, row in zip(points, x) if p["strategy"] == "column_split"}
+    split = {(p["cols"], p["lanes"], p["splits"], p["vec"]): row for p, row in zip(points, x)
+             if p["strategy"] == "column_split"}
     assert split and all(row[col["is_column_split"]] == 1 for row in split.values())
-    two, eight = split[(32, 16, 2)], split[(32, 16, 8)]
+    two, eight = split[(32, 16, 2, 1)], split[(32, 16, 8, 1)]
     assert eight[col["log2_blocks"]] == two[col["log2_blocks"]] + 2  # 2 column tiles x splits
     assert eight[col["log2_lanes_per_row"]] == two[col["log2_lanes_per_row"]] + 2  # a column's rows over lanes x splits
+    assert split[(16, 16, 8, 4)][col["log2_blocks"]] == two[col["log2_blocks"]] + 1  # one tile of 16 x 4 columns
+    assert split[(16, 16, 8, 4)][col["vector_bytes"]] == 16
