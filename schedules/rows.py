@@ -262,14 +262,19 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
         block, row = sch.split(sch.fuse(*loops[:ns]), [None, rows_per_block])
     sch.bind(block, "blockIdx.x")
     sch.bind(row, "threadIdx.y")
-    if len(loops) > ns:  # a reduction, or an epilogue over every element of the row
-        lanes = min(vec, MAX_EPILOGUE_LANES) if pattern.epilogue is not None else 1
-        _spread(sch, loops[ns:], threads, lanes, vectorize=True)
+    width = const_int(pattern.reduce_extent)
+    in_vectors = WIDTH_IN_VECTORS in (sch.mod["main"].attrs or {})
+    wide = reduce_vec > 1 and (in_vectors or (width is not None and width % (threads * reduce_vec) == 0))
+    reductions = []
+    if len(loops) > ns and pattern.epilogue is not None:  # an epilogue over every element of the row
+        _spread(sch, loops[ns:], threads, min(vec, MAX_EPILOGUE_LANES), vectorize=True)
+    elif len(loops) > ns:  # the row's last reduction: chunks where they are read as vectors (below)
+        chunks = reduce_vec if wide and not (in_vectors and cache) else 1
+        reductions.append((last.block_rv, _spread(sch, loops[ns:], threads, chunks, vectorize=False)))
     else:  # one value per row (per output): lane 0 writes it
         for output in outputs:
             _spread(sch, [sch.add_unit_loop(output)], threads, 1, vectorize=True)
 
-    reductions = []
     for info in reversed(pattern.row_reductions):
         for i, _ in enumerate(sch.get(info.block_rv).writes):
             sch.set_scope(info.block_rv, i, "local" if rows_per_block > 1 else "shared")
@@ -291,25 +296,26 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
         sch.bind(sch.fuse(staged_row, *columns[:-1]) if len(columns) > 1 else staged_row, "threadIdx.y")
         _spread(sch, columns[-1:], threads, vec, vectorize=True)
         staged_buffers.append(sch.get(stage).writes[0].source)
-    width = const_int(pattern.reduce_extent)
     # inputs a reduction may copy to registers from memory; bool aside: TVM 0.27 has no CUDA type
     # for a register vector of bools
     from_memory = [buf for buf in pattern.input_buffers() if str(buf.dtype) != "bool"
                    and not any(buf.same_as(s) for s in staged_buffers)]
-    if reduce_vec > 1 and WIDTH_IN_VECTORS in (sch.mod["main"].attrs or {}) and not staged_buffers:
+    if reduce_vec > 1 and in_vectors and not staged_buffers:
         # a width class of whole vectors (dispatch.in_vectors), read from memory: one vector load a
         # chunk, where element loads are eight a chunk, 16 bytes apart across lanes (measured:
         # docs/design.md#row-and-column-templates)
         for reduction, outer in reductions:
             _wide_reads(sch, reduction, outer, from_memory)
-    elif reduce_vec > 1 and width is not None and width % (threads * reduce_vec) == 0:
+    elif wide and width is not None:
         # only without a tail chunk: under the tail's predicate TVM puts the barrier that guards
         # the register copy inside `if (threadIdx.x < ...)`, and the block deadlocks (e.g.
         # log_softmax over 3000 columns)
         # From memory only when a lane's chunk is its whole share of the row: with several chunks
         # per lane the register copies cost more than they save (measured on LLaMA's attention
-        # softmax: docs/design.md#row-and-column-templates).
+        # softmax: docs/design.md#row-and-column-templates); a reduction that ends the chain (a row
+        # sum) reads every chunk as a vector, as its reads are the kernel's only traffic.
         one_chunk = width == threads * reduce_vec
         for reduction, outer in reductions:
-            _wide_reads(sch, reduction, outer, staged_buffers + (from_memory if one_chunk else []))
+            ends = reduction.same_as(last.block_rv)
+            _wide_reads(sch, reduction, outer, staged_buffers + (from_memory if one_chunk or ends else []))
     return sch

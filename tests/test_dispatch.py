@@ -157,6 +157,13 @@ def test_grid_reduce_is_one_kernel_with_an_atomic_ticket_and_zeroed_state():
     assert host.count("call  sum_v0 ") == 1 and "c[" in host.split("call  sum_v0 ")[1].splitlines()[0]
 
 
+@pytest.mark.parametrize("shape", [[16384, 4096], [4096, 1024]])  # block_row, warp_row
+def test_a_row_sum_reads_every_chunk_as_one_16_byte_load(shape):
+    src = tvm_ext.cuda_source(tvm_ext.build(relax_module("row_sum", shape, "float32"), CUDA_TARGET))
+    body = src[src.index("__global__"):]
+    assert "*(float4*)(p0_ptr + " in body and "p0_ptr[" not in body
+
+
 @pytest.mark.parametrize("shape, dtype, blocks", [([262144, 64], "float32", 1 * 256), ([100000, 100], "float32", 1 * 264),
                                                    ([65536, 256], "float16", 2 * 128)])
 def test_column_split_is_one_kernel_of_column_tiles_times_row_splits_with_a_ticket(shape, dtype, blocks):

@@ -49,6 +49,13 @@ def test_welford_variance_on_gpu(width, rng):
     assert float(np.max(np.abs(got.numpy() - ref) / ref)) < 1e-5
 
 
+@pytest.mark.parametrize("shape", [[37, 1024], [37, 4096], [37, 8192], [1000, 16384]])  # warp_row, block_row 256-1024 threads
+def test_row_sums_read_in_16_byte_chunks_on_gpu(shape, rng):
+    executable = tvm_ext.build(relax_module("row_sum", shape, "float32"), "cuda")
+    outs, refs = run_case(executable, tvm.cuda(0), "row_sum", shape, "float32", rng)
+    assert_close(outs, refs, "float32")
+
+
 @pytest.mark.parametrize("op, dtype", [("layer_norm", "float16"), ("rms_norm", "bfloat16"), ("softmax", "float16"),
                                        ("row_sum", "float32")])
 @pytest.mark.parametrize("width", [96, 1000, 50257])  # not a multiple of any pack or warp width
