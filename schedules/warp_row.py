@@ -15,7 +15,11 @@ from .rows import (normalises, row_bytes, rows_dividing, schedule_rows, unaligne
 NAME = "warp_row"
 MAX_ROW_BYTES = 4096  # longer rows go to block_row
 BLOCK_THREADS = 128
-NORMALISING_BLOCK_THREADS = 64  # LayerNorm's blocks (see default_knobs)
+# LayerNorm's rows (see default_knobs): four 16-byte vectors a lane or more (at least 8 lanes a row
+# whatever the width), rows of 2 KB a block or more
+NORMALISING_VECTORS = 4
+NORMALISING_MIN_GROUP = 8
+NORMALISING_BLOCK_BYTES = 2048
 
 
 def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
@@ -26,15 +30,19 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
         return None
     vec = vector_lanes(pattern)
     fits = [g for g in (32, 16, 8, 4, 2) if g <= device.warp and g * vec <= n]  # every lane gets a vector
-    threads = BLOCK_THREADS
     if normalises(pattern):
-        # LayerNorm: two vectors or more a lane and smaller blocks; over 128-1024 columns 0-13%
-        # faster (a sweep of the Welford form on the H200: h200-2026-11-27-sweep-short-and-long-rows.log);
-        # the form spelled out follows, so that it keeps the op's schedule
-        fits = [g for g in fits if 2 * g * vec <= n] or fits
-        threads = NORMALISING_BLOCK_THREADS
+        # LayerNorm: fewer lanes a row, each with four vectors or more, and blocks of 2 KB of rows,
+        # mostly one warp (a device-time sweep of seven LayerNorms over 128-1024 columns on the H200:
+        # 384 columns 12.9 -> 11.8 us, 1000 15.8 -> 14.7, the others within 1% of their best:
+        # h200-2026-11-28-sweep-short-layernorm.log); the form spelled out follows, so that it keeps
+        # the op's schedule
+        fits = [g for g in fits if g <= max(NORMALISING_MIN_GROUP, n // (NORMALISING_VECTORS * vec))] or fits
     exact = [g for g in fits if g >= 8 and n % (g * vec) == 0]  # no tail chunk (see rows.py)
     group = (exact or fits or [2])[0]
+    threads = BLOCK_THREADS
+    if normalises(pattern):
+        rows_for_bytes = 1 << max(0, -(-NORMALISING_BLOCK_BYTES // size) - 1).bit_length()
+        threads = max(device.warp, group * rows_for_bytes)
     rows = rows_dividing(pattern, max(1, threads // group))
     count = const_int(pattern.row_count)
     if count is not None and count < rows * device.sm_count:

@@ -25,9 +25,13 @@ def plans(op, shape, dtype):
 
 
 @pytest.mark.parametrize("op, shape, dtype, expected", [
-    ("layer_norm", [16384, 384], "float16", {"strategy": "warp_row", "group": 16, "rows_per_block": 4, "cache": True}),
-    # Welford's state: two vectors or more a lane, 64-thread blocks; softmax keeps a vector a lane, 128 threads
-    ("layer_norm", [65536, 256], "float16", {"strategy": "warp_row", "group": 16, "rows_per_block": 4}),
+    # Welford's state: four vectors or more a lane (at least 8 lanes), 2 KB of rows a block; softmax keeps
+    # a vector a lane, 128 threads
+    ("layer_norm", [16384, 384], "float16", {"strategy": "warp_row", "group": 8, "rows_per_block": 4, "cache": True}),
+    ("layer_norm", [32768, 768], "float16", {"strategy": "warp_row", "group": 16, "rows_per_block": 2, "cache": True}),
+    ("layer_norm", [8192, 1000], "float16", {"strategy": "warp_row", "group": 16, "rows_per_block": 2}),  # a tail chunk
+    ("layer_norm", [49152, 1024], "float16", {"strategy": "warp_row", "group": 32, "rows_per_block": 1}),
+    ("layer_norm", [65536, 256], "float16", {"strategy": "warp_row", "group": 8, "rows_per_block": 4}),
     ("layer_norm", [131072, 128], "float16", {"strategy": "warp_row", "group": 8, "rows_per_block": 8}),
     # fewer blocks than SMs: a row a block
     ("layer_norm", [64, 768], "float32", {"strategy": "warp_row", "group": 32, "rows_per_block": 1}),
