@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from tvm import tirx
+from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
 from .contracts import COPY_ELEMS, MASK_DTYPES, WGMMA_TYPES
@@ -238,5 +238,88 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
 
     q_buf, k_buf, v_buf, m_buf, out_buf = attention.params  # no mask: the parameter goes
     lengths = [seq_q] if isinstance(seq_q, tirx.Var) else []  # a symbolic length: passed, as FuseTIR passes dims
+    made = {"batch": batch, "seq_q": seq_q, "seq_kv": seq_kv, "dim": dim, "scale": float(scale), "causal": causal,
+            "given": given, "mask": mask, "empty_rows_zero": empty_rows_zero, "dtype": dtype}
     return tirx.PrimFunc([q_buf, k_buf, v_buf, *([m_buf] if masked else []), *lengths, out_buf], attention.body,
-                         attention.ret_type, attention.attrs)
+                         attention.ret_type, attention.attrs).with_attr(RECIPE, _encoded(made))
+
+
+# A tuning task: the kernel is written at DEFAULT_KNOBS before dispatch, carrying the arguments it was
+# made from (RECIPE), so that the dispatcher can make it again at another point of KNOB_SPACE.
+NAME = "attention"
+RECIPE = "tvm_ext.attention_recipe"
+KNOB_SPACE = {"warpgroups": (1, 2), "block_n": (64, 128)}
+DEFAULT_KNOBS = {"strategy": NAME, "warpgroups": 1, "block_n": 64}
+
+
+def _encoded(made: dict) -> dict:
+    """kernel()'s arguments as a function attribute: views as their pieces and offset."""
+    def view(v: StridedView) -> dict:
+        return {"axes": v.axes, "offset": v.offset}
+    given = {name: [shape, view(v)] for name, (shape, v) in (made["given"] or {}).items()}
+    mask = made["mask"] and [made["mask"][0], view(made["mask"][1]), made["mask"][2]]
+    return {**made, "given": given, "mask": mask}
+
+
+def recipe(func: tirx.PrimFunc) -> dict | None:
+    """The keyword arguments of kernel() that made `func` (the knobs aside), or None for any other function."""
+    found = (func.attrs or {}).get(RECIPE)
+    if found is None:
+        return None
+
+    def plain(x):  # ints and expressions as they were, containers as tuples
+        return tuple(plain(y) for y in x) if isinstance(x, (list, tuple)) or type(x).__name__ == "Array" else x
+
+    def view(v) -> StridedView:
+        return StridedView(plain(v["axes"]), plain(v["offset"]))
+    args = {key: plain(value) for key, value in found.items() if key not in ("given", "mask")}
+    args["given"] = {str(name): (plain(shape), view(v)) for name, (shape, v) in found["given"].items()}
+    mask = found["mask"]
+    args["mask"] = None if mask is None else (plain(mask[0]), view(mask[1]), str(mask[2]))
+    return args
+
+
+def sizes(args: dict) -> tuple:
+    """(batch, seq_q, seq_kv, dim) of a recipe."""
+    return args["batch"], args["seq_q"], args["seq_kv"], args["dim"]
+
+
+def knob_space(func: tirx.PrimFunc) -> list[dict]:
+    """The points of KNOB_SPACE the kernel takes for `func`'s sizes and views; none over a symbolic
+    length (its kernel takes the length as a scalar argument, which the tuner does not pass)."""
+    args = recipe(func)
+    if args is None or not all(isinstance(x, int) for x in sizes(args)):
+        return []
+    return [{"strategy": NAME, "warpgroups": w, "block_n": n}
+            for w in KNOB_SPACE["warpgroups"] for n in KNOB_SPACE["block_n"]
+            if fits(*sizes(args), args["causal"], w, n, args["given"], args["mask"])]
+
+
+def launch(args: dict, knobs: dict) -> tuple[int, int, int]:
+    """(threads a block, blocks, shared-memory bytes a block) of a recipe at `knobs`: a warpgroup
+    per 64 query rows, Q's tile, P's and two stages of K's and V's tiles of `block_n` keys."""
+    batch, seq_q, _, dim = sizes(args)
+    warpgroups, block_n = int(knobs["warpgroups"]), int(knobs["block_n"])
+    rows = warpgroups * ROWS
+    return warpgroups * WARPGROUP, batch * -(-seq_q // rows), (rows * dim + rows * block_n + 4 * block_n * dim) * 2
+
+
+def flops(args: dict) -> int:
+    """Multiply-adds of QK^T and PV, twice (half the scores are computed for a causal mask)."""
+    batch, seq_q, seq_kv, dim = sizes(args)
+    return 4 * batch * seq_q * seq_kv * dim // (2 if args["causal"] else 1)
+
+
+def heuristic(func: tirx.PrimFunc, sm_count: int = 0, rows=None) -> tuple | None:
+    """(DEFAULT_KNOBS, `func` as it is): it was written at them."""
+    return None if recipe(func) is None else (dict(DEFAULT_KNOBS), s_tir.Schedule(func))
+
+
+def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
+    """`func` made again at `knobs` (its other attributes kept), None where the kernel does not take them."""
+    args = recipe(func)
+    point = {"warpgroups": int(knobs["warpgroups"]), "block_n": int(knobs["block_n"])}
+    if args is None or not fits(*sizes(args), args["causal"], **point, given=args["given"], mask=args["mask"]):
+        return None
+    made = kernel(**args, **point).without_attr("global_symbol")
+    return s_tir.Schedule(made.with_attrs({k: v for k, v in func.attrs.items() if k not in made.attrs}))

@@ -17,8 +17,9 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad, TensorRegion
 from tvm.ir.prim.expr import Cast
+from tvm.script import tirx as T
 
-from tvm_ext.schedules import conv2d, matmul
+from tvm_ext.schedules import attention, conv2d, matmul
 from tvm_ext.schedules.analysis import multiply_accumulate
 
 from .features import NOMINAL
@@ -42,7 +43,9 @@ def task_bytes(func, dims: dict | None = None) -> int:
 def task_flops(func, dims: dict | None = None) -> int:
     """Floating-point operations of a task's tensor-core work: 2 x the multiply-adds of its block
     `c += cast(a) * cast(b)` over two low-precision tensors (a matmul's or a convolution's); 0 for
-    tasks without one (norms, softmax, sums)."""
+    tasks without one (norms, softmax, sums); a fused attention's QK^T and PV."""
+    if attention.recipe(func) is not None:
+        return attention.flops(attention.recipe(func))
     blocks = []
     tvm_ffi.structural_walk(func.body, (s_tir.SBlock, blocks.append), order="pre")
     for block in blocks:
@@ -90,7 +93,10 @@ def seeded(shape, dtype: str, seed: int) -> np.ndarray:
 
 def output_count(func) -> int:
     """How many of `func`'s parameters are outputs: the trailing ones it stores to (call_tir passes
-    the outputs last; add + RMSNorm writes the residual sum and the norm)."""
+    the outputs last; add + RMSNorm writes the residual sum and the norm); one for a fused attention,
+    whose stores go through flat views of its parameters."""
+    if attention.recipe(func) is not None:
+        return 1
     stored = []
     tvm_ffi.structural_walk(func.body, (tirx.BufferStore, lambda st: stored.append(st.buffer)), order="pre")
     written = [any(p.same_as(b) for b in stored) for p in func.params]
@@ -201,6 +207,8 @@ def references(func) -> list[tirx.PrimFunc]:
     first is what a correct float32 candidate may be off (output_bounds); or for a matmul, its
     operands read as float32 and its loops parallel over rows and vectorised over columns (the
     unscheduled form of a large fp16 Linear is too slow on a CPU to serve as a reference)."""
+    if attention.recipe(func) is not None:
+        return [_attention_reference(attention.recipe(func), func)]
     convolution = conv2d.convolution(func)
     if convolution is not None:
         return [_conv2d_reference(convolution)]
@@ -232,6 +240,62 @@ def _conv2d_reference(convolution) -> tirx.PrimFunc:
         sch.compute_at(pad, outer)
     sch.vectorize(x)
     return sch.mod["main"]
+
+
+def _attention_reference(args: dict, func) -> tirx.PrimFunc:
+    """softmax(Q K^T * scale [+ mask]) V in float64 for the CPU, a query row per parallel
+    iteration, reading and writing the kernel's parameters through its views (a causal mask leaves
+    the keys past the row out; a row with no key left is 0 with `empty_rows_zero`, else NaN)."""
+    batch, seq_q, seq_kv, dim = attention.sizes(args)
+    views = attention.operands(batch, seq_q, seq_kv, dim, args["given"])
+    (q_at, k_at, v_at, out_at) = (views[name][1].element for name in attention.OPERANDS)
+    shapes = [views[name][0] for name in attention.OPERANDS]
+    dtype, scale, causal, mask = args["dtype"], args["scale"], args["causal"], args["mask"]
+    m_shape, m_at, m_dtype = (mask[0], mask[1].element, mask[2]) if mask else ((1,), None, "float16")
+    flat = [int(np.prod(shape)) for shape in shapes]
+    masked, zero_empty = mask is not None, bool(args["empty_rows_zero"])
+
+    @T.prim_func(check_well_formed=False)
+    def reference(q_in: T.Buffer(shapes[0], dtype), k_in: T.Buffer(shapes[1], dtype), v_in: T.Buffer(shapes[2], dtype),
+                  m_in: T.Buffer(m_shape, m_dtype), out_in: T.Buffer(shapes[3], dtype)):
+        q = T.decl_buffer((flat[0],), dtype, data=q_in.data)
+        k = T.decl_buffer((flat[1],), dtype, data=k_in.data)
+        v = T.decl_buffer((flat[2],), dtype, data=v_in.data)
+        out = T.decl_buffer((flat[3],), dtype, data=out_in.data)
+        if masked:
+            m = T.decl_buffer((int(np.prod(m_shape)),), m_dtype, data=m_in.data)
+        for row in T.parallel(batch * seq_q):
+            scores = T.alloc_buffer((seq_kv,), "float64")
+            acc = T.alloc_buffer((3,), "float64")  # a score or output element, the row's maximum, its sum
+            b, i = T.meta_var((row // seq_q, row % seq_q))
+            acc[1] = T.float64(-np.inf)
+            for j in range(seq_kv):
+                acc[0] = T.float64(0)
+                for d in range(dim):
+                    acc[0] = acc[0] + T.Cast("float64", q[q_at(b, i, d)]) * T.Cast("float64", k[k_at(b, j, d)])
+                acc[0] = acc[0] * T.float64(scale)
+                if masked:
+                    acc[0] = acc[0] + T.Cast("float64", m[m_at(b, i, j)])
+                if causal:
+                    acc[0] = T.if_then_else(j > i, T.float64(-np.inf), acc[0])
+                scores[j] = acc[0]
+                acc[1] = T.max(acc[1], acc[0])
+            acc[2] = T.float64(0)
+            for j in range(seq_kv):
+                scores[j] = T.exp(scores[j] - acc[1])
+                acc[2] = acc[2] + scores[j]
+            for d in range(dim):
+                acc[0] = T.float64(0)
+                for j in range(seq_kv):
+                    acc[0] = acc[0] + scores[j] * T.Cast("float64", v[v_at(b, j, d)])
+                if zero_empty:
+                    out[out_at(b, i, d)] = T.Cast(dtype, T.if_then_else(acc[1] == T.float64(-np.inf), T.float64(0),
+                                                                        acc[0] / acc[2]))
+                else:
+                    out[out_at(b, i, d)] = T.Cast(dtype, acc[0] / acc[2])
+
+    params = list(reference.params)
+    return tirx.PrimFunc(params[:3] + (params[3:4] if masked else []) + params[4:], reference.body)
 
 
 def _run_on_cpu(ref, arrays: list, outputs: int) -> list[np.ndarray]:

@@ -14,7 +14,7 @@ import tvm
 from tvm import tirx
 from tvm.target import Target
 
-from tvm_ext.schedules import conv2d, gemv, matmul, wgmma_matmul
+from tvm_ext.schedules import attention, conv2d, gemv, matmul, wgmma_matmul
 from tvm_ext.schedules.few_row_matmul import VECTOR, weight_streaming_matmul
 from tvm_ext.schedules.analysis import ReducePattern, const_int, match
 from tvm_ext.schedules.contracts import WARP
@@ -157,6 +157,25 @@ def gemv_features(n: int, k: int, item: int, knobs: dict, epilogue: bool, device
     return np.asarray(values, dtype="float32")
 
 
+def attention_features(args: dict, knobs: dict, device: Device) -> np.ndarray:
+    """The same quantities for a fused attention candidate, as a matmul's: each output row reduces
+    seq_kv keys; the stage is Q's, P's and two stages of K's and V's tiles; k per step, the keys of
+    a tile; a warp's tile, 16 query rows by the tile's keys."""
+    batch, seq_q, seq_kv, dim = attention.sizes(args)
+    threads, blocks, smem = attention.launch(args, knobs)
+    block_n = int(knobs["block_n"])
+    outputs = batch * seq_q * dim
+    resident = device.resident_blocks(threads, min(255, 40 + block_n // 2 + dim // 2), smem)  # S and O accumulators
+    slots = max(1, device.sm_count * resident)
+    waves = blocks / slots
+    values = [0.0] * len(STRATEGIES) + [1.0, 0.0] + [
+        math.log2(seq_kv * dim), math.log2(outputs), math.log2(batch * (2 * seq_q + 2 * seq_kv) * dim * 2), 2,
+        float(args["mask"] is not None), 0.0, threads, math.log2(blocks), waves, blocks / (math.ceil(waves) * slots),
+        threads * resident / device.threads_per_sm, math.log2(max(1, outputs * 4 // (blocks * threads))), 16,
+        1.0, smem, 0.0, math.log2(block_n), 2, math.log2(16 * block_n), 0.0]
+    return np.asarray(values, dtype="float32")
+
+
 def candidate_features(func: tirx.PrimFunc, points: list[dict], target: Target) -> np.ndarray:
     """[len(points), len(NAMES)] features of the candidates `points` of one task."""
     if not points:
@@ -170,6 +189,9 @@ def candidate_features(func: tirx.PrimFunc, points: list[dict], target: Target) 
         block, folded, _, n, k = weight_streaming_matmul(func)
         item = matmul.operand_itemsize(block)
         return np.stack([gemv_features(n, k, item, knobs, folded.ivs is not None, device) for knobs in points])
+    if points[0]["strategy"] == attention.NAME:
+        args = attention.recipe(func)
+        return np.stack([attention_features(args, knobs, device) for knobs in points])
     if points[0]["strategy"] == conv2d.NAME:
         sch, _, block, epilogue = conv2d.convolution(func)
         return np.stack([conv2d_features(sch.get(block), knobs, bool(epilogue), device) for knobs in points])

@@ -105,3 +105,82 @@ def test_a_matmul_tunes_and_builds_from_its_log(tmp_path, rng):
     out = VirtualMachine(tvm_ext.build(mod, cuda, database=str(log)), dev)["main"](
         *[tvm.runtime.tensor(x, dev) for x in (a, w, b)]).numpy()
     np.testing.assert_array_equal(out, (a.astype("float32") @ w.astype("float32") + b).astype("float16"))
+
+
+def _attention_task(packed=False, mask=None):
+    """The fused attention kernel of a spelled-out chain (tests/test_attention.py's) as a task on sm_90a."""
+    from test_attention import SM_90A, spelled  # noqa: PLC0415
+
+    mod = spelled(batch=2, heads=3, seq=128, dim=64, packed=packed, mask=mask)
+    (task,) = [t for t in extract_tasks(mod, SM_90A) if t.name == "fused_attention"]
+    return mod, task, SM_90A
+
+
+def test_the_fused_attention_kernel_is_a_task_with_its_tiles_as_its_space():
+    from tvm_ext.schedules import attention  # noqa: PLC0415
+    from tvm_ext.schedules.dispatch import knobs_problem  # noqa: PLC0415
+    from tvm_ext.search.features import NAMES, candidate_features  # noqa: PLC0415
+    from tvm_ext.search.space import knob_space  # noqa: PLC0415
+
+    mod, task, sm90a = _attention_task(packed=True)
+    points = knob_space(task.func, sm90a)
+    assert points[0] == attention.DEFAULT_KNOBS and len(points) == 4  # 1 or 2 warpgroups, 64- or 128-key tiles
+    assert all(knobs_problem(task.func, sm90a, p) is None for p in points)
+    column = dict(zip(NAMES, candidate_features(task.func, points, sm90a).T))
+    assert list(column["threads"]) == [128, 128, 256, 256] and list(column["log2_k_per_step"]) == [6, 7, 6, 7]
+    assert len(set(column["staged_bytes_per_block"])) == 4 and (column["is_matmul"] == 1).all()
+
+
+@pytest.mark.parametrize("knobs, key_tile, threads", [(None, 64, 128), ({"warpgroups": 2, "block_n": 128}, 128, 256)])
+def test_a_logged_attention_point_remakes_the_kernel(tmp_path, knobs, key_tile, threads):
+    """The build takes the log's point for the attention task (the kernel made again at it); without a
+    record the kernel stays as written, at the default point."""
+    from tvm_ext.introspect import cuda_source  # noqa: PLC0415
+
+    mod, task, sm90a = _attention_task()
+    log = tmp_path / "attention.json"
+    append_record(log, task.func, sm90a, task.name, {"strategy": "attention", **(knobs or {"warpgroups": 1, "block_n": 64})}, 9.0)
+    if knobs is None:
+        log.write_text("")
+    src = cuda_source(tvm_ext.build(mod, sm90a, database=str(log) if knobs else None))
+    assert f"wgmma.mma_async.sync.aligned.m64n{key_tile}k16.f32.f16.f16" in src  # S: a tile of keys
+    assert f"__launch_bounds__({threads}) fused_attention" in src
+
+
+def test_the_attention_reference_reads_and_writes_through_the_kernels_views(tmp_path):
+    """The check's CPU reference of a packed, masked attention task (q, k and v read from one [b, s, 3
+    * heads * dim] tensor each, the heads merged into rows) against float64 numpy on its inputs."""
+    from tvm_ext.search.check import reference_arrays  # noqa: PLC0415
+
+    b, s, h, d = 2, 128, 3, 64
+    mask = np.where(np.arange(s)[None, :] > np.arange(s)[:, None] + 7, -1e4, 0.5).astype("float32")
+    _, task, _ = _attention_task(packed=True, mask=mask)
+    (q, k, v, *rest, out), _ = reference_arrays(task.func, {}, str(tmp_path / "reference.npz"))
+    heads = lambda x, i: x.astype("float64").reshape(b, s, 3, h, d).transpose(2, 0, 3, 1, 4)[i]  # noqa: E731
+    scores = heads(q, 0) @ heads(k, 1).transpose(0, 1, 3, 2) / 8 + (rest[0].astype("float64") if rest else mask.astype("float16"))
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True) @ heads(v, 2)).transpose(0, 2, 1, 3).reshape(b, s, h * d)
+    assert out.shape == (b, s, h * d) and np.abs(out.astype("float64") - want).max() < 2e-3
+
+
+@pytest.mark.gpu
+def test_the_attention_task_tunes_and_builds_from_its_log(tmp_path, rng):
+    """Every point of the attention task measured (each checked against the reference), and the
+    build from the log right against float64."""
+    mod, task, _ = _attention_task()
+    cuda, log = tvm_ext.parse_target("cuda"), tmp_path / "attention.json"
+    reports = tune_model(mod, cuda, trials=4, log=str(log), batch=4, progress=False, timeout=300)
+    lines = [json.loads(line) for line in log.read_text().splitlines() if json.loads(line)["task"] == task.name]
+    assert len(lines) == 4 and all(line.get("error") is None for line in lines)
+    assert {json.dumps(line["knobs"], sort_keys=True) for line in lines} == {
+        json.dumps({"strategy": "attention", "warpgroups": w, "block_n": n}, sort_keys=True) for w in (1, 2) for n in (64, 128)}
+    report = next(r for r in reports if r.task == task.name)
+    assert Database.load(log).lookup(task.func, cuda) == report.knobs
+    q, k, v = (rng.standard_normal((2, 3, 128, 64)).astype("float16") for _ in range(3))
+    dev = tvm.cuda()
+    out = VirtualMachine(tvm_ext.build(mod, cuda, database=str(log)), dev)["main"](
+        *[tvm.runtime.tensor(x, dev) for x in (q, k, v)]).numpy()
+    s = q.astype("float64").reshape(6, 128, 64) @ k.astype("float64").reshape(6, 128, 64).transpose(0, 2, 1) / 8
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = p / p.sum(-1, keepdims=True) @ v.astype("float64").reshape(6, 128, 64)
+    assert np.abs(out.astype("float64").reshape(6, 128, 64) - want).max() < 2e-3

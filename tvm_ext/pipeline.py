@@ -15,7 +15,7 @@ from tvm.s_tir import dlight as dl
 from tvm.target import Target
 
 from tvm_ext import schedules
-from tvm_ext.schedules import gemv
+from tvm_ext.schedules import attention, gemv
 from tvm_ext.schedules.analysis import is_reduce_subgraph
 from tvm_ext.schedules.device import device_of
 from tvm_ext.schedules.elementwise import Elementwise
@@ -121,12 +121,15 @@ class ScheduleContractions:
         target = Target.current()
         dispatch, builder = {}, relax.BlockBuilder(mod)
         for gv, func in list(mod.functions_items()):
-            if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False):
-                continue
+            written = isinstance(func, tirx.PrimFunc) and attention.recipe(func) is not None
+            if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False) and not (written and self.database):
+                continue  # a kernel written before dispatch (attention) is remade only at a logged point
             try:
                 if schedules.contraction_template(func, target) is None:
                     continue
                 knobs = self.database.lookup(func, target) if self.database else None
+                if written and knobs in (None, attention.DEFAULT_KNOBS):
+                    continue  # written at these knobs
                 kernels = [(None, schedules.schedule(func, target, knobs))] if knobs else \
                     [(cond, sch) for cond, _, sch in schedules.contraction_kernels(func, target)]
                 rows = schedules.symbolic_rows(func)
