@@ -3,73 +3,25 @@ started here and stopped at the end. Candidates are checked and timed there, a w
 error, a server killed mid-run costs at most the candidate it ran, and the command line refuses a
 tracker that is not there in one line."""
 
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 import tvm
 
+from tvm_ext.search.local_cluster import free_port, local_cluster, stop
 from tvm_ext.search.measure import Measurer
-from tvm_ext.search.rpc import free_servers
 from tvm_ext.search.space import knob_space
 from test_search_measure import CPU_ROWS, TARGET, task, zeroing_builder
 
 KEY = "tvm-ext-test-llvm"
-START_S = 90.0  # a server imports TVM before it registers: slow on a busy 2-core machine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(*args) -> subprocess.Popen:
-    """A TVM RPC process in its own process group (a server forks a child per session)."""
-    return subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-def _wait_for(predicate, what: str) -> None:
-    deadline = time.monotonic() + START_S
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except ValueError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{what} within {START_S:.0f} s")
 
 
 @pytest.fixture()
 def servers():
     """(tracker address, [server processes]): a tracker and two servers under KEY, all stopped after."""
-    port = _free_port()
-    tracker = f"127.0.0.1:{port}"
-    procs = [_start("tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port), "--port-end", str(port + 1))]
-    try:
-        for _ in range(2):
-            server_port = _free_port()
-            procs.append(_start("tvm.exec.rpc_server", "--tracker", tracker, "--key", KEY, "--host", "127.0.0.1",
-                                "--port", str(server_port), "--port-end", str(server_port + 1)))
-        _wait_for(lambda: free_servers(tracker, KEY) == 2, "two servers registered")
-        yield tracker, procs[1:]
-    finally:
-        for proc in procs:
-            _stop(proc)
+    with local_cluster(2, KEY) as cluster:
+        yield cluster
 
 
 def test_candidates_are_checked_and_timed_on_two_servers(servers):
@@ -96,7 +48,7 @@ def test_a_server_killed_mid_run_costs_at_most_the_candidate_it_ran(servers):
 
         def kill_one(_i, _result):
             if not killed:
-                _stop(procs[0])
+                stop(procs[0])
                 killed.append(True)
         results = measurer.measure(t.func, candidates, on_result=kill_one)
     assert killed
@@ -109,7 +61,7 @@ def test_the_command_line_refuses_a_tracker_that_is_not_there(tmp_path):
     from test_cli import _run  # noqa: PLC0415
 
     done = _run("scripts/tune.py", "--model", "suite:rms-8192x4096-bf16", "--target", "llvm", "--trials", "2",
-                "--log", str(tmp_path / "t.json"), "--rpc-tracker", f"127.0.0.1:{_free_port()}", "--rpc-key", KEY)
+                "--log", str(tmp_path / "t.json"), "--rpc-tracker", f"127.0.0.1:{free_port()}", "--rpc-key", KEY)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.splitlines()[-1].startswith("tune.py: no RPC tracker answers at 127.0.0.1:")
     done = _run("scripts/tune.py", "--model", "suite:rms-8192x4096-bf16", "--target", "llvm", "--trials", "2",

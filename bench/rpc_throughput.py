@@ -1,0 +1,90 @@
+"""Candidates measured per minute through one TVM RPC server and through several, on this machine.
+
+    python -m bench.rpc_throughput --model suite:rms-8192x4096-bf16,suite:sm-4096x1000-f16 --target llvm \\
+        --trials 32 --servers 1,2 --server-cpus 4 --out bench/results/NAME
+
+For each server count a tracker and that many servers are started on 127.0.0.1 (llvm servers each
+pinned to `--server-cpus` CPUs of their own, with as many TVM threads; the builders get the CPUs
+left), the model is tuned through them from an empty log, and the run's wall time and candidates
+per minute (first to last record) are written as NAME.json and NAME.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+from bench.report import write_json_and_markdown
+from tvm_ext.search.cli import load_model
+from tvm_ext.search.local_cluster import local_cluster
+from tvm_ext.search.tuner import tune_model
+
+
+def _per_minute(log: str) -> tuple[int, float, int]:
+    """(records, candidates per minute from the first record to the last, errors) of a log."""
+    lines = [json.loads(line) for line in open(log, encoding="utf-8") if line.strip()]
+    stamps = sorted(time.mktime(time.strptime(line["time"], "%Y-%m-%dT%H:%M:%SZ")) for line in lines)
+    span = max(1.0, stamps[-1] - stamps[0]) if stamps else 1.0
+    return len(lines), 60.0 * (len(lines) - 1) / span if lines else 0.0, sum(line.get("error") is not None for line in lines)
+
+
+def run(models: list, target: str, trials: int, counts: list[int], server_cpus: int) -> dict:
+    mods = []
+    for name in models:
+        loaded = load_model(name)  # the suite is a list of modules
+        mods += loaded if isinstance(loaded, list) else [loaded]
+    cpus = sorted(os.sched_getaffinity(0))
+    rows = []
+    for count in counts:
+        pinned = [cpus[i * server_cpus:(i + 1) * server_cpus] for i in range(count)] if target == "llvm" else None
+        builder_cpus = cpus[count * server_cpus:] if pinned else cpus
+        env = {"TVM_NUM_THREADS": str(server_cpus)} if pinned else None
+        with tempfile.TemporaryDirectory() as tmp, local_cluster(count, f"bench{count}", env=env, cpus=pinned) as (tracker, _):
+            log = os.path.join(tmp, "log.json")
+            os.sched_setaffinity(0, builder_cpus)
+            started = time.monotonic()
+            try:
+                tune_model(mods, target, trials, log, builders=len(builder_cpus), rpc=(tracker, f"bench{count}"), progress=False)
+            finally:
+                os.sched_setaffinity(0, cpus)
+            wall = time.monotonic() - started
+            records, per_minute, errors = _per_minute(log)
+        rows.append({"servers": count, "wall_s": wall, "records": records, "errors": errors, "per_minute": per_minute,
+                     "builders": len(builder_cpus), "server_cpus": server_cpus if pinned else None})
+        print(rows[-1], flush=True)
+    return {"models": models, "target": target, "trials": trials, "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    one = result["rows"][0]["per_minute"] or 1.0
+    lines = [f"Tuning {', '.join(result['models'])} on `{result['target']}`, {result['trials']} trials, through TVM RPC "
+             "servers on this machine.", "",
+             "| servers | wall (s) | records | errors | candidates/min | vs the first row | builders | CPUs a server |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['servers']} | {r['wall_s']:.1f} | {r['records']} | {r['errors']} | {r['per_minute']:.1f} | "
+              f"{r['per_minute'] / one:.2f}x | {r['builders']} | {r['server_cpus'] or '-'} |" for r in result["rows"]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="comma-separated models, as tvm-ext-tune's --model takes them")
+    ap.add_argument("--target", default="llvm")
+    ap.add_argument("--trials", type=int, default=32)
+    ap.add_argument("--servers", default="1,2", help="server counts, one run each")
+    ap.add_argument("--server-cpus", type=int, default=4, help="CPUs (and TVM threads) of each llvm server")
+    ap.add_argument("--out", required=True, help="path prefix: writes .json and .md")
+    args = ap.parse_args(argv)
+    counts = [int(c) for c in args.servers.split(",")]
+    if args.target == "llvm" and max(counts) * args.server_cpus >= len(os.sched_getaffinity(0)):
+        ap.error(f"{max(counts)} servers of {args.server_cpus} CPUs leave no CPU to the builders")
+    result = run(args.model.split(","), args.target, args.trials, counts, args.server_cpus)
+    write_json_and_markdown(args.out, result, markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
