@@ -1,12 +1,13 @@
 """Candidates measured per minute through one TVM RPC server and through several, on this machine.
 
-    python -m bench.rpc_throughput --model suite:rms-8192x4096-bf16,suite:sm-4096x1000-f16 --target llvm \\
+    python -m bench.rpc_throughput --cases layer_norm:2048x1024:float32,softmax:4096x1000:float32 --target llvm \\
         --trials 32 --servers 1,2 --server-cpus 4 --out bench/results/NAME
 
 For each server count a tracker and that many servers are started on 127.0.0.1 (llvm servers each
 pinned to `--server-cpus` CPUs of their own, with as many TVM threads; the builders get the CPUs
 left), the model is tuned through them from an empty log, and the run's wall time and candidates
-per minute (first to last record) are written as NAME.json and NAME.md.
+per minute (first to last record) are written as NAME.json and NAME.md. Cases are OP:ROWSxCOLS:DTYPE
+(bench.suite's ops), CI-sized by default: a CPU candidate of a suite-sized case runs for a minute.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import tempfile
 import time
 
 from bench.report import write_json_and_markdown
-from tvm_ext.search.cli import load_model
+from bench.suite import relax_module
 from tvm_ext.search.local_cluster import local_cluster
 from tvm_ext.search.tuner import tune_model
 
@@ -31,11 +32,17 @@ def _per_minute(log: str) -> tuple[int, float, int]:
     return len(lines), 60.0 * (len(lines) - 1) / span if lines else 0.0, sum(line.get("error") is not None for line in lines)
 
 
-def run(models: list, target: str, trials: int, counts: list[int], server_cpus: int) -> dict:
-    mods = []
-    for name in models:
-        loaded = load_model(name)  # the suite is a list of modules
-        mods += loaded if isinstance(loaded, list) else [loaded]
+CASES = "layer_norm:2048x1024:float32,softmax:4096x1000:float32,rms_norm:4096x768:float32,row_sum:8192x512:float32"
+
+
+def module(case: str):
+    """The Relax module of OP:ROWSxCOLS:DTYPE."""
+    op, shape, dtype = case.split(":")
+    return relax_module(op, [int(n) for n in shape.split("x")], dtype)
+
+
+def run(cases: list, target: str, trials: int, counts: list[int], server_cpus: int) -> dict:
+    mods = [module(case) for case in cases]
     cpus = sorted(os.sched_getaffinity(0))
     rows = []
     for count in counts:
@@ -55,12 +62,12 @@ def run(models: list, target: str, trials: int, counts: list[int], server_cpus: 
         rows.append({"servers": count, "wall_s": wall, "records": records, "errors": errors, "per_minute": per_minute,
                      "builders": len(builder_cpus), "server_cpus": server_cpus if pinned else None})
         print(rows[-1], flush=True)
-    return {"models": models, "target": target, "trials": trials, "rows": rows}
+    return {"cases": cases, "target": target, "trials": trials, "rows": rows}
 
 
 def markdown(result: dict) -> str:
     one = result["rows"][0]["per_minute"] or 1.0
-    lines = [f"Tuning {', '.join(result['models'])} on `{result['target']}`, {result['trials']} trials, through TVM RPC "
+    lines = [f"Tuning {', '.join(result['cases'])} on `{result['target']}`, {result['trials']} trials, through TVM RPC "
              "servers on this machine.", "",
              "| servers | wall (s) | records | errors | candidates/min | vs the first row | builders | CPUs a server |",
              "|---|---|---|---|---|---|---|---|"]
@@ -71,7 +78,7 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="comma-separated models, as tvm-ext-tune's --model takes them")
+    ap.add_argument("--cases", default=CASES, help="comma-separated OP:ROWSxCOLS:DTYPE")
     ap.add_argument("--target", default="llvm")
     ap.add_argument("--trials", type=int, default=32)
     ap.add_argument("--servers", default="1,2", help="server counts, one run each")
@@ -81,7 +88,7 @@ def main(argv=None) -> int:
     counts = [int(c) for c in args.servers.split(",")]
     if args.target == "llvm" and max(counts) * args.server_cpus >= len(os.sched_getaffinity(0)):
         ap.error(f"{max(counts)} servers of {args.server_cpus} CPUs leave no CPU to the builders")
-    result = run(args.model.split(","), args.target, args.trials, counts, args.server_cpus)
+    result = run(args.cases.split(","), args.target, args.trials, counts, args.server_cpus)
     write_json_and_markdown(args.out, result, markdown(result))
     return 0
 

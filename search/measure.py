@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 import tvm
 
 from .builder import build_candidate
-from .rpc import NoServerError, copy_gbps_rpc, free_servers, run_candidate_rpc
+from .rpc import NoServerError, ServerBusyError, copy_gbps_rpc, free_servers, run_candidate_rpc
 from .runner import COPY_TIMEOUT_S, copy_gbps, prepare_reference, reference_path, run_candidate
 from .worker_pool import POLL_S, Pool
 
 REFERENCE = "reference"  # the builders' job that computes the task's reference ahead of the runner
 REFERENCE_TIMEOUT_S = 600.0  # what that job may take (a large layer's CPU reference: tens of seconds)
+BUSY_RETRIES = 30  # a candidate that finds every server busy goes back to the pool this often (each wait
+# rpc.SERVER_WAIT_S) before its server counts as gone: a server finishing an overrun candidate frees later
 
 
 @dataclass
@@ -70,7 +72,7 @@ class Measurer:
                                  max(self.timeout, REFERENCE_TIMEOUT_S))
         for i, knobs in enumerate(candidates):
             self.builders.submit(i, self.builder, (func_json, self.target_json, knobs, self.scratch.name), self.timeout)
-        outcome, built, jobs, last = {}, [], {}, started
+        outcome, built, jobs, last, busy = {}, [], {}, started, {}
         while not (self.builders.idle and self.runners.idle and not built):
             finished = []
             for i, answer in self.builders.poll():
@@ -89,6 +91,11 @@ class Measurer:
                 built = []
             running = not self.runners.idle
             for i, answer in finished + self.runners.poll():
+                if answer[0] != "ok" and answer[1].startswith(ServerBusyError.__name__) \
+                        and busy.get(i, 0) < BUSY_RETRIES:  # the servers are alive: the candidate waits its turn
+                    busy[i] = busy.get(i, 0) + 1
+                    self.runners.submit(i, self.runner, jobs[i], self.timeout)
+                    continue
                 if self._server_gone(answer):  # not the candidate's failure: it goes to another runner
                     self.runners.submit(i, self.runner, jobs[i], self.timeout)
                     continue
@@ -106,7 +113,7 @@ class Measurer:
 
     def _server_gone(self, answer: tuple) -> bool:
         """Whether a runner's `answer` says its server is gone; the pool then runs one runner fewer."""
-        if answer[0] == "ok" or not answer[1].startswith(NoServerError.__name__):
+        if answer[0] == "ok" or not answer[1].startswith((NoServerError.__name__, ServerBusyError.__name__)):
             return False
         if self.runners.size == 1:
             raise ConnectionError(f"every RPC server under key {self.remote[1]!r} is gone ({answer[1]})")

@@ -33,6 +33,11 @@ class NoServerError(RuntimeError):
     """No server of the key came free in time: a failure of the machinery, not of the candidate."""
 
 
+class ServerBusyError(NoServerError):
+    """No server came free in time, but one is still registered: busy finishing a candidate whose
+    runner was stopped for overrunning its timeout (its kernel runs on; the server frees when it ends)."""
+
+
 def parse_tracker(text: str) -> tuple[str, int]:
     """HOST:PORT of a tracker, refused in one line otherwise."""
     host, _, port = text.rpartition(":")
@@ -67,9 +72,11 @@ def _connection(tracker: str, key: str, target):
         host, port = parse_tracker(tracker)
         client = rpc.connect_tracker(host, port)
         deadline = time.monotonic() + SERVER_WAIT_S
-        while client.summary().get("queue_info", {}).get(key, {}).get("free", 0) <= 0:
+        while (summary := client.summary()).get("queue_info", {}).get(key, {}).get("free", 0) <= 0:
             if time.monotonic() > deadline:
-                raise NoServerError(f"no server under key {key!r} came free within {SERVER_WAIT_S:g} s")
+                registered = sum(info["key"] == f"server:{key}" for info in summary.get("server_info", []))
+                raise (ServerBusyError if registered else NoServerError)(
+                    f"no server under key {key!r} came free within {SERVER_WAIT_S:g} s ({registered} registered)")
             time.sleep(0.2)
         remote = client.request(key)  # no time limit of the server's: the pool's bounds each job
         device = _device(remote, target)
