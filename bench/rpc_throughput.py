@@ -5,7 +5,7 @@
 
 For each server count a tracker and that many servers are started on 127.0.0.1 (llvm servers each
 pinned to `--server-cpus` CPUs of their own, with as many TVM threads; the builders get the CPUs
-left), the model is tuned through them from an empty log, and the run's wall time and candidates
+left after the most servers, the same in every run), the cases are tuned through them from an empty log, and the run's wall time and candidates
 per minute (first to last record) are written as NAME.json and NAME.md. Cases are OP:ROWSxCOLS:DTYPE
 (bench.suite's ops), CI-sized by default: a CPU candidate of a suite-sized case runs for a minute.
 """
@@ -47,7 +47,7 @@ def run(cases: list, target: str, trials: int, counts: list[int], server_cpus: i
     rows = []
     for count in counts:
         pinned = [cpus[i * server_cpus:(i + 1) * server_cpus] for i in range(count)] if target == "llvm" else None
-        builder_cpus = cpus[count * server_cpus:] if pinned else cpus
+        builder_cpus = cpus[max(counts) * server_cpus:] if pinned else cpus  # the same builders in every run
         env = {"TVM_NUM_THREADS": str(server_cpus)} if pinned else None
         with tempfile.TemporaryDirectory() as tmp, local_cluster(count, f"bench{count}", env=env, cpus=pinned) as (tracker, _):
             log = os.path.join(tmp, "log.json")

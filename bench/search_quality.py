@@ -21,7 +21,7 @@ from bench.report import table_cli
 from tvm_ext.search.cost_model import CostModel
 from tvm_ext.search.features import candidate_features
 from tvm_ext.search.measure import Result
-from tvm_ext.search.scheduler import tune
+from tvm_ext.search.scheduler import each_batch, tune
 from tvm_ext.search.strategy import TaskSearch
 from tvm_ext.search.transfer import predict
 
@@ -42,7 +42,7 @@ def _oracle(rows: list[dict]):
 
 def _search(task, target, rows, epsilon, seed, patience, log) -> TaskSearch:
     search = TaskSearch(task, target, log, TRIALS, batch=8, epsilon=epsilon, patience=patience, seed=seed)
-    tune([search], _oracle(rows), TRIALS, progress=False)
+    tune([search], each_batch(_oracle(rows)), TRIALS, progress=False)
     return search
 
 

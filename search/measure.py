@@ -62,46 +62,58 @@ class Measurer:
 
     def measure(self, func, candidates: list[dict], dims: dict | None = None, on_result=None) -> list[Result]:
         """One Result per candidate, in order; `on_result(i, result)` is called as candidate i finishes."""
-        func_json, dims = tvm.ir.save_json(func), dict(dims or {})
+        return self.measure_round([(func, candidates, dims, on_result)])[0]
+
+    def measure_round(self, batches: list[tuple]) -> list[list[Result]]:
+        """Several tasks' batches at once, [(func, candidates, dims, on_result)]: the builders take
+        every candidate of the round and the runners each as it is built, so that runners (RPC
+        servers) do not wait for one task's builds at the end of each batch. One list of Results per
+        batch, in order; `on_result(i, result)` of a batch is called as its candidate i finishes."""
+        tasks = [(tvm.ir.save_json(func), dict(dims or {})) for func, _, dims, _ in batches]
         started, libs = time.monotonic(), []
-        # first: the runners start on the task once its reference is there, so it never counts
+        # first: the runners start on a task once its reference is there, so it never counts
         # against a candidate's timeout (the reference of a large layer takes longer than a build)
-        referencing = not os.path.exists(reference_path(func_json, dims, self.scratch.name))
-        if referencing:
-            self.builders.submit(REFERENCE, prepare_reference, (func_json, dims, self.scratch.name),
+        referencing = {b for b, (func_json, dims) in enumerate(tasks)
+                       if not os.path.exists(reference_path(func_json, dims, self.scratch.name))}
+        for b in sorted(referencing):
+            self.builders.submit((REFERENCE, b), prepare_reference, (*tasks[b], self.scratch.name),
                                  max(self.timeout, REFERENCE_TIMEOUT_S))
-        for i, knobs in enumerate(candidates):
-            self.builders.submit(i, self.builder, (func_json, self.target_json, knobs, self.scratch.name), self.timeout)
+        for b, (_, candidates, _, _) in enumerate(batches):
+            for i, knobs in enumerate(candidates):
+                self.builders.submit((b, i), self.builder, (tasks[b][0], self.target_json, knobs, self.scratch.name),
+                                     self.timeout)
         outcome, built, jobs, last, busy = {}, [], {}, started, {}
         while not (self.builders.idle and self.runners.idle and not built):
             finished = []
-            for i, answer in self.builders.poll():
-                if i == REFERENCE:  # if it failed, the runner computes the reference itself
-                    referencing = False
-                    continue
-                if answer[0] == "ok":
-                    built.append((i, answer[1]))
+            for job, answer in self.builders.poll():
+                if job[0] == REFERENCE:  # if it failed, the runner computes the reference itself
+                    referencing.discard(job[1])
+                elif answer[0] == "ok":
+                    built.append((job, answer[1]))
                 else:
-                    finished.append((i, answer))
-            if not referencing and (self.overlap or self.builders.idle):  # a GPU candidate runs while others build
-                for i, (lib, zeroed) in built:
+                    finished.append((job, answer))
+            if self.overlap or self.builders.idle:  # a GPU candidate runs while others build
+                ready = [(job, lib) for job, lib in built if job[0] not in referencing]
+                for job, (lib, zeroed) in ready:
                     libs.append(lib)
-                    jobs[i] = (func_json, self.target_json, dims, self.scratch.name, lib, zeroed, *self.remote)
-                    self.runners.submit(i, self.runner, jobs[i], self.timeout)
-                built = []
+                    func_json, dims = tasks[job[0]]
+                    jobs[job] = (func_json, self.target_json, dims, self.scratch.name, lib, zeroed, *self.remote)
+                    self.runners.submit(job, self.runner, jobs[job], self.timeout)
+                built = [(job, lib) for job, lib in built if job[0] in referencing]
             running = not self.runners.idle
-            for i, answer in finished + self.runners.poll():
+            for job, answer in finished + self.runners.poll():
                 if answer[0] != "ok" and answer[1].startswith(ServerBusyError.__name__) \
-                        and busy.get(i, 0) < BUSY_RETRIES:  # the servers are alive: the candidate waits its turn
-                    busy[i] = busy.get(i, 0) + 1
-                    self.runners.submit(i, self.runner, jobs[i], self.timeout)
+                        and busy.get(job, 0) < BUSY_RETRIES:  # the servers are alive: the candidate waits its turn
+                    busy[job] = busy.get(job, 0) + 1
+                    self.runners.submit(job, self.runner, jobs[job], self.timeout)
                     continue
                 if self._server_gone(answer):  # not the candidate's failure: it goes to another runner
-                    self.runners.submit(i, self.runner, jobs[i], self.timeout)
+                    self.runners.submit(job, self.runner, jobs[job], self.timeout)
                     continue
-                outcome[i] = answer
-                if on_result is not None:
-                    on_result(i, _result(candidates[i], answer))
+                outcome[job] = answer
+                b, i = job
+                if batches[b][3] is not None:
+                    batches[b][3](i, _result(batches[b][1][i], answer))
             time.sleep(POLL_S)
             now = time.monotonic()
             self.seconds["run"] += (now - last) if running else 0.0
@@ -109,7 +121,7 @@ class Measurer:
         for lib in libs:
             os.unlink(lib)
         self.seconds["measure"] += time.monotonic() - started
-        return [_result(knobs, outcome[i]) for i, knobs in enumerate(candidates)]
+        return [[_result(knobs, outcome[(b, i)]) for i, knobs in enumerate(batch[1])] for b, batch in enumerate(batches)]
 
     def _server_gone(self, answer: tuple) -> bool:
         """Whether a runner's `answer` says its server is gone; the pool then runs one runner fewer."""

@@ -1,8 +1,10 @@
 """Task scheduler: spend one trial budget across a model's tasks where it pays most.
 
-After one batch each (tasks never measured first, also in a resumed run), the next batch goes to
-the task with the largest expected gain x weight (its best latency times its last relative
-improvement, floored by its unexplored share, times its call count)."""
+Tasks are measured in rounds of several tasks' batches at once (about ROUND candidates: the
+measurer builds them all and runs each as it is built, so runners never wait for one task's
+builds). Tasks never measured come first (also in a resumed run), then the task with the largest
+expected gain x weight (best latency times the last relative improvement, floored by the
+unexplored share, times the call count) and those within PEERS of its gain."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from tqdm import tqdm
 from .strategy import TaskSearch
 
 FLOOR = 0.02  # expected relative improvement of a batch over an unexplored space
+ROUND = 24  # candidates a round aims for: three batches of the default size
+PEERS = 0.5  # a measured task joins a round whose best task's expected gain is at most 1 / PEERS its own
 
 
 def _gain(search: TaskSearch) -> float:
@@ -20,8 +24,15 @@ def _gain(search: TaskSearch) -> float:
     return search.task.weight * best * expected
 
 
+def each_batch(measure):
+    """A round measurer from a measurer of one batch, `measure(func, candidates, dims, on_result=)`
+    (an oracle's): the round's batches one after another."""
+    return lambda batches: [measure(func, candidates, dims, on_result=log) for func, candidates, dims, log in batches]
+
+
 def tune(searches: list[TaskSearch], measure, trials: int, prior: list = (), progress: bool = True) -> list[TaskSearch]:
-    """Run `searches` with at most `trials` new measurements over all of them."""
+    """Run `searches` with at most `trials` new measurements over all of them; `measure(batches)`
+    measures a round, [(func, candidates, dims, on_result)] -> [[Result]] (Measurer.measure_round)."""
     def retrain(search):
         search.retrain(list(prior) + [other.own_group() for other in searches if other is not search])
 
@@ -36,14 +47,26 @@ def tune(searches: list[TaskSearch], measure, trials: int, prior: list = (), pro
         if not live:
             break
         fresh = [s for s in live if not s.measured]  # a resumed run's measured tasks are not fresh
-        search = fresh[0] if fresh else max(live, key=_gain)
-        n = search.step(measure, trials - spent)
-        spent += n
-        retrain(search)
-        overall.update(n)
-        bars[id(search)].update(n)
-        best = f"best {search.best_us:.1f} us" if search.best else "no valid candidate yet"
-        bars[id(search)].set_postfix_str(f"{best}, {search.stop_reason}" if search.done else best)
+        batches, planned = [], 0
+        ranked = sorted([s for s in live if s.measured], key=_gain, reverse=True)
+        peers = [s for s in ranked if _gain(s) >= PEERS * _gain(ranked[0])]
+        for search in fresh + peers:
+            if planned >= min(ROUND, trials - spent):
+                break
+            batch = search.propose(trials - spent - planned)
+            if batch.chosen:
+                batches.append(batch)
+                planned += len(batch.chosen)
+        results = measure([(b.search.task.func, b.candidates, b.search.dims, b.on_result) for b in batches])
+        for batch, measured in zip(batches, results):
+            n = batch.close(measured)
+            spent += n
+            search = batch.search
+            retrain(search)
+            overall.update(n)
+            bars[id(search)].update(n)
+            best = f"best {search.best_us:.1f} us" if search.best else "no valid candidate yet"
+            bars[id(search)].set_postfix_str(f"{best}, {search.stop_reason}" if search.done else best)
     if spent < trials:  # every task stopped before the budget: say why rather than halt part-way
         reasons = sorted({s.stop_reason for s in searches})
         overall.total = spent

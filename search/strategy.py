@@ -7,6 +7,7 @@ an exhausted space, or `patience` batches without improvement."""
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -110,24 +111,38 @@ class TaskSearch:
         chosen += self.rng.sample([i for i in left if i not in chosen], size - len(chosen))
         return chosen
 
-    def step(self, measure, limit: int) -> int:
-        """Measure one batch of at most `limit` candidates with `measure(func, knobs, dims, on_result=)`;
-        each is logged as soon as it finishes (`on_result(j, result)` for the j-th), so that an
-        interrupted batch keeps its finished measurements; any the measurer did not report that way
-        are logged when it returns."""
-        chosen = self.next_batch(limit)
-        before = self.best_us
-        logged: set = set()
+    def propose(self, limit: int) -> "Batch":
+        """The next batch of at most `limit` points, to be measured (Batch.on_result as each
+        finishes) and closed with its Results."""
+        return Batch(self, self.next_batch(limit), self.best_us)
 
-        def log(j: int, result) -> None:
-            if j not in logged:
-                logged.add(j)
-                self._record(chosen[j], result)
 
-        for j, result in enumerate(measure(self.task.func, [self.points[i] for i in chosen], self.dims, on_result=log)):
-            log(j, result)
-        self.batches += 1
-        improved = self.best_us < before
-        self.stale = 0 if improved else self.stale + 1
-        self.improvement = (before - self.best_us) / before if improved and before != float("inf") else 0.0
-        return len(chosen)
+@dataclass
+class Batch:
+    """One batch of a task's points in measurement: each logged as soon as it finishes
+    (`on_result(j, result)` for the j-th), so that an interrupted batch keeps its finished
+    measurements; `close` logs any not reported that way and updates the search."""
+    search: TaskSearch
+    chosen: list  # indices into the search's points
+    before: float  # the search's best latency before this batch
+    logged: set = field(default_factory=set)
+
+    @property
+    def candidates(self) -> list[dict]:
+        return [self.search.points[i] for i in self.chosen]
+
+    def on_result(self, j: int, result) -> None:
+        if j not in self.logged:
+            self.logged.add(j)
+            self.search._record(self.chosen[j], result)
+
+    def close(self, results) -> int:
+        """Record `results` (one per candidate); the number of candidates measured."""
+        for j, result in enumerate(results):
+            self.on_result(j, result)
+        search = self.search
+        search.batches += 1
+        improved = search.best_us < self.before
+        search.stale = 0 if improved else search.stale + 1
+        search.improvement = (self.before - search.best_us) / self.before if improved and self.before != float("inf") else 0.0
+        return len(self.chosen)

@@ -166,8 +166,9 @@ def test_each_measurement_is_logged_as_it_finishes(tmp_path):
         on_result(1, Result(candidates[1], [5.0]))  # the second candidate finished first
         raise KeyboardInterrupt  # Ctrl-C while the others run
 
+    batch = search.propose(4)
     with pytest.raises(KeyboardInterrupt):
-        search.step(interrupted, 4)
+        batch.close(interrupted(search.task.func, batch.candidates, {}, on_result=batch.on_result))
     (record,) = read_records(str(log))
     assert record["us"] == 5.0 and record["knobs"] == search.points[search.measured[0]]
 

@@ -189,3 +189,19 @@ def test_a_job_is_not_timed_out_for_its_workers_start_up():
     finally:
         pool.close()
     assert (status, value) == ("ok", 120)
+
+
+def test_a_round_measures_several_tasks_batches_at_once():
+    """Two tasks' batches in one round: each candidate built and checked against its own task's
+    reference, the results back per batch in order, each reported to its batch as it finishes."""
+    tasks = [task(), extract_tasks(relax_module("rms_norm", [128, 512], "float32"), TARGET)[0]]
+    batches = [(t.func, knob_space(t.func, TARGET)[:2], {}, None) for t in tasks]
+    seen = [[], []]
+    batches = [(func, cands, dims, functools.partial(lambda b, i, r: seen[b].append((i, r.knobs)), b))
+               for b, (func, cands, dims, _) in enumerate(batches)]
+    with Measurer(TARGET, builders=2, timeout=120) as measurer:
+        results = measurer.measure_round(batches)
+    assert [[r.knobs for r in rs] for rs in results] == [b[1] for b in batches]
+    assert all(r.error is None and r.best_us > 0 for rs in results for r in rs)
+    assert [sorted(i for i, _ in reported) for reported in seen] == [[0, 1], [0, 1]]
+    assert all(knobs == batches[b][1][i] for b in (0, 1) for i, knobs in seen[b])

@@ -10,7 +10,7 @@ from bench.suite import relax_module
 from conftest import CUDA_TARGET
 from tvm_ext.search.features import NAMES
 from tvm_ext.search.measure import Result
-from tvm_ext.search.scheduler import tune
+from tvm_ext.search.scheduler import each_batch, tune
 from tvm_ext.search.strategy import TaskSearch
 from tvm_ext.search.tasks import Task, extract_tasks
 
@@ -49,7 +49,7 @@ def test_model_guided_search_beats_random_search_on_the_same_budget(tmp_path):
         for seed in range(3):
             s = TaskSearch(t, TARGET, str(tmp_path / f"{name}{seed}.json"), budget=24, batch=8, epsilon=epsilon,
                            patience=99, seed=seed)
-            tune([s], oracle({t.func: s}), trials=24, progress=False)
+            tune([s], each_batch(oracle({t.func: s})), trials=24, progress=False)
             assert len(s.measured) == 24 and len(set(s.measured)) == 24
             bests.append(s.best_us)
         found[name] = bests
@@ -63,7 +63,7 @@ def test_budget_goes_to_the_heavier_task_and_every_task_gets_a_first_batch(tmp_p
     heavy, light = task("layer_norm", [32768, 768], weight=12), task("softmax", [49152, 1024], weight=1)
     log = str(tmp_path / "two.json")
     searches = [TaskSearch(t, TARGET, log, budget=64, batch=4, patience=99) for t in (light, heavy)]
-    tune(searches, oracle({s.task.func: s for s in searches}), trials=40, progress=False)
+    tune(searches, each_batch(oracle({s.task.func: s for s in searches})), trials=40, progress=False)
     spent = {s.task.name: len(s.measured) for s in searches}
     assert sum(spent.values()) == 40 and min(spent.values()) >= 4
     assert spent["layer_norm"] > 2 * spent["softmax"], spent
@@ -78,7 +78,7 @@ def test_patience_stops_a_task_that_no_longer_improves(tmp_path):
     def flat(func, candidates, dims, on_result=None):
         return [Result(k, [10.0]) for k in candidates]
 
-    tune([s], flat, trials=40, progress=False)
+    tune([s], each_batch(flat), trials=40, progress=False)
     assert len(s.measured) == 12 and s.done  # one batch sets the best, two more that do not improve end it
     assert s.stop_reason == "no gain in 2 batches"
 
@@ -86,7 +86,7 @@ def test_patience_stops_a_task_that_no_longer_improves(tmp_path):
 def test_a_run_that_exhausts_the_space_says_so_on_its_progress_bar(tmp_path, capsys):
     t = task("softmax", [8192, 4096])
     s = TaskSearch(t, TARGET, str(tmp_path / "all.json"), budget=1000, batch=8, patience=99)
-    tune([s], oracle({t.func: s}), trials=1000, progress=True)
+    tune([s], each_batch(oracle({t.func: s})), trials=1000, progress=True)
     assert len(s.measured) == len(s.points) < 1000 and s.stop_reason == "space exhausted"
     final = capsys.readouterr().err.replace("\r", "\n").splitlines()
     assert any("all tasks: 100%" in line and f"stopped at {len(s.points)} of 1000 trials: space exhausted" in line
@@ -99,9 +99,30 @@ def test_a_resumed_run_measures_a_task_it_never_reached_before_the_others_again(
     heavy, light = task("layer_norm", [8192, 4096], weight=8), task("softmax", [4096, 1024])
     log = str(tmp_path / "log.json")
     first = TaskSearch(heavy, TARGET, log, budget=64, batch=8)
-    tune([first], oracle({heavy.func: first}), trials=8, progress=False)
+    tune([first], each_batch(oracle({heavy.func: first})), trials=8, progress=False)
     past = [json.loads(line) for line in open(log, encoding="utf-8")]
     searches = [TaskSearch(t, TARGET, log, budget=64, batch=8, past=[r for r in past if r["key"] == t.key])
                 for t in (heavy, light)]
-    tune(searches, oracle({s.task.func: s for s in searches}), trials=8, progress=False)
+    tune(searches, each_batch(oracle({s.task.func: s for s in searches})), trials=8, progress=False)
     assert [len(s.measured) for s in searches] == [8, 8]
+
+
+def test_tasks_of_like_gain_share_a_round_and_a_heavy_one_takes_rounds_alone(tmp_path):
+    """Rounds hold several tasks' batches (the measurer builds and runs them together): the five
+    fresh tasks share the first round; later rounds hold the tasks within PEERS of the best
+    expected gain, so a task twelve times heavier takes rounds of its own."""
+    light = [task("softmax", [4096, n]) for n in (512, 1024, 2048, 4096)]
+    heavy = task("layer_norm", [32768, 768], weight=12)
+    log = str(tmp_path / "rounds.json")
+    searches = [TaskSearch(t, TARGET, log, budget=64, batch=4, patience=99) for t in light + [heavy]]
+    rounds = []
+    measure_one = each_batch(oracle({s.task.func: s for s in searches}))
+
+    def measure(batches):
+        rounds.append([func for func, *_ in batches])
+        return measure_one(batches)
+
+    tune(searches, measure, trials=60, progress=False)
+    assert len(rounds[0]) == 5  # every task fresh: 20 candidates in one round
+    assert any(rounds[i] == [heavy.func] for i in range(1, len(rounds)))
+    assert sum(len(s.measured) for s in searches) == 60

@@ -8,7 +8,7 @@ from tvm.runtime.vm import VirtualMachine
 import tvm_ext
 from bench.suite import relax_module
 from tvm_ext.search.measure import Result
-from tvm_ext.search.scheduler import tune
+from tvm_ext.search.scheduler import each_batch, tune
 from tvm_ext.search.strategy import TaskSearch
 from tvm_ext.search.tasks import extract_tasks
 from tvm_ext.search.transfer import ModelDatabase
@@ -26,7 +26,7 @@ def lanes_oracle(func, candidates, dims, on_result=None):
 def test_a_never_measured_shape_gets_the_models_pick_and_builds_correctly(tmp_path, rng):
     log = str(tmp_path / "seen.json")
     seen = [t for shape in ([64, 300], [128, 1000], [32, 4096]) for t in extract_tasks(relax_module("softmax", shape, "float32"), TARGET)]
-    tune([TaskSearch(t, TARGET, log, budget=3, batch=3) for t in seen], lanes_oracle, trials=9, progress=False)
+    tune([TaskSearch(t, TARGET, log, budget=3, batch=3) for t in seen], each_batch(lanes_oracle), trials=9, progress=False)
     mod = relax_module("softmax", [96, 2000], "float32")  # a hidden shape
     (hidden,) = extract_tasks(mod, TARGET)
     db = ModelDatabase.load(log)
@@ -42,6 +42,6 @@ def test_a_never_measured_shape_gets_the_models_pick_and_builds_correctly(tmp_pa
 def test_a_log_too_small_to_train_on_is_refused_by_name(tmp_path):
     log = str(tmp_path / "one.json")
     (t,) = extract_tasks(relax_module("softmax", [64, 300], "float32"), TARGET)
-    tune([TaskSearch(t, TARGET, log, budget=1, batch=1)], lanes_oracle, trials=1, progress=False)
+    tune([TaskSearch(t, TARGET, log, budget=1, batch=1)], each_batch(lanes_oracle), trials=1, progress=False)
     with pytest.raises(ValueError, match="one.json' have too few measurements"):
         ModelDatabase.load(log)
