@@ -135,12 +135,12 @@ def write_reports(json_path: str) -> str:
     return table
 
 
-def table_cli(argv, doc: str, analyse, markdown_of, out_help: str = "path prefix: writes .json and .md") -> tuple:
+def table_cli(argv, doc: str, analyse, markdown_of) -> tuple:
     """The command line of a bench that reads a measured space table (bench.measure_spaces) and
     writes PREFIX.json / PREFIX.md: (its --out prefix, the result)."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--table", required=True)
-    ap.add_argument("--out", required=True, help=out_help)
+    ap.add_argument("--out", required=True, help="path prefix: writes .json and .md")
     args = ap.parse_args(argv)
     with open(args.table, encoding="utf-8") as f:
         result = analyse(json.load(f))

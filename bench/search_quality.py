@@ -5,24 +5,29 @@
 For each case the tuner (model-guided, epsilon 0.25, batches of 8) and random search are replayed
 over the measured points, 10 seeds each, and compared with the exhaustive best: best-so-far after
 each trial (the curves, plotted), the ratio at 64 trials, and the trials the tuner's early stop
-uses. Transfer: a model trained on the public cases' measurements picks, with 0 trials, a point
-for each hidden shape; that point's latency is compared with what 64 trials find.
+uses. Transfer: a model trained on the public cases' measurements (or, with `--train-logs`, on
+tuning logs such as the shipped `tuning_logs/*.json`, as `ModelDatabase` trains it) picks, with 0
+trials, a point for each hidden shape; that point's latency is compared with what 64 trials find.
+
+    python -m bench.search_quality --table T.json --out NAME --train-logs tuning_logs/h200-*.json
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import tempfile
 
 import numpy as np
 
 from bench.measure_spaces import measured, table_tasks
-from bench.report import table_cli
-from tvm_ext.search.cost_model import CostModel
+from bench.report import write_json_and_markdown
+from tvm_ext.search.cost_model import CostModel, logged_groups
 from tvm_ext.search.features import candidate_features
 from tvm_ext.search.measure import Result
 from tvm_ext.search.scheduler import each_batch, tune
 from tvm_ext.search.strategy import TaskSearch
+from tvm_ext.records import read_records
 from tvm_ext.search.transfer import predict
 
 SEEDS, TRIALS = 10, 64
@@ -51,7 +56,7 @@ def _curve(search: TaskSearch, best: float) -> list[float]:
     return curve + [curve[-1]] * (TRIALS - len(curve))  # a search that ran out of points stays where it ended
 
 
-def judge(table: dict) -> dict:
+def judge(table: dict, train_logs=()) -> dict:
     target, tasks = table_tasks(table)
     out = {"cases": {}, "transfer": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,14 +79,15 @@ def judge(table: dict) -> dict:
                   f"(worst seed {out['cases'][cid]['ours_worst_at_64']:.3f}), random {out['cases'][cid]['random_at_64']:.3f}",
                   flush=True)
         public = [cid for cid, e in table["cases"].items() if not e.get("hidden")]
+        if train_logs:
+            model = CostModel().fit(logged_groups([rec for path in train_logs for rec in read_records(path)]))
+        else:
+            model = CostModel().fit([(candidate_features(tasks[other].func, points, target), us)
+                                     for other in public for points, us in [measured(table["cases"][other])]])
         for cid, entry in table["cases"].items():
             if not entry.get("hidden"):
                 continue
-            groups = []
-            for other in public:
-                points, us = measured(table["cases"][other])
-                groups.append((candidate_features(tasks[other].func, points, target), us))
-            pick = predict(CostModel().fit(groups), tasks[cid].func, target)
+            pick = predict(model, tasks[cid].func, target)
             rows = {_key(r["knobs"]): r for r in entry["points"]}
             pick_us = min(rows[_key(pick)]["us"]) if rows[_key(pick)]["error"] is None else float("inf")
             tuned = float(np.mean([_search(tasks[cid], target, entry["points"], 0.25, s, 10**6, log).best_us
@@ -132,8 +138,16 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    out, result = table_cli(argv, __doc__, judge, markdown, "path prefix: writes .json, .md and .png")
-    plot(result, out + ".png")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--table", required=True)
+    ap.add_argument("--out", required=True, help="path prefix: writes .json, .md and .png")
+    ap.add_argument("--train-logs", nargs="*", default=[], help="tuning logs the transfer model is trained on "
+                    "(default: the table's public cases)")
+    args = ap.parse_args(argv)
+    with open(args.table, encoding="utf-8") as f:
+        result = judge(json.load(f), args.train_logs)
+    write_json_and_markdown(args.out, result, markdown(result))
+    plot(result, args.out + ".png")
     return 0
 
 
