@@ -5,6 +5,8 @@
 
 Each variant is built through `tvm_ext.build(..., database=<a one-record log>)`, checked against
 PyTorch eager, and timed like bench.run's device time; the heuristic's own choice is timed alongside.
+A variant that is no point of its strategy's space is skipped with the reason (the build would
+take the heuristic's schedule in its place).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tvm_ext.pipeline import fused_reduce_functions
 from tvm_ext.records import append_record
 
 from tvm_ext import schedules  # noqa: E402
+from tvm_ext.schedules.dispatch import knobs_problem  # noqa: E402
 import torch  # noqa: E402
 
 from bench.run import TORCH_DTYPE, flushed_device_us, max_err, torch_fn, tvm_callable  # noqa: E402
@@ -50,6 +53,11 @@ def main(argv=None) -> int:
         print(f"{case['id']}: heuristic {heuristic}", flush=True)
         variants = [None] + [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
         for variant in variants:
+            problems = [problem for name, func in funcs.items()
+                        if (problem := knobs_problem(func, target, {**heuristic[name], **(variant or {})}))]
+            if problems:  # the build would take the heuristic instead: its time must not carry this label
+                print(f"  {variant}: skipped: knobs {problems[0]}", flush=True)
+                continue
             with tempfile.TemporaryDirectory() as tmp:
                 log = os.path.join(tmp, "log.jsonl")
                 for name, func in funcs.items():
