@@ -69,13 +69,18 @@ class CostModel:
         return cls(booster)
 
 
+def trainable(rec: dict) -> bool:
+    """Whether a log record is a training example: a successful measurement whose features have
+    this feature schema."""
+    return rec.get("error") is None and (rec.get("features") or {}).get("schema") == SCHEMA
+
+
 def logged_groups(records, exclude: set = frozenset()) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Training groups (one per task key) from log records: successful measurements whose
-    features have this feature schema; keys in `exclude` are left out (their search owns them)."""
+    """Training groups (one per task key) from log records (the `trainable` ones); keys in
+    `exclude` are left out (their search owns them)."""
     by_key: dict = {}
     for rec in records:
-        feats = rec.get("features") or {}
-        if rec.get("error") is None and feats.get("schema") == SCHEMA and rec["key"] not in exclude:
-            by_key.setdefault(rec["key"], []).append((feats["values"], rec["us"]))
+        if trainable(rec) and rec["key"] not in exclude:
+            by_key.setdefault(rec["key"], []).append((rec["features"]["values"], rec["us"]))
     return [(np.asarray([f for f, _ in rows], dtype="float32"), np.asarray([us for _, us in rows]))
             for rows in by_key.values()]

@@ -1,7 +1,8 @@
 """Transfer: schedules for tasks the log has never measured, chosen by its cost model (0 trials).
 
 `ModelDatabase` answers `lookup` like a plain log: the logged best where measured, else the cost
-model's first pick from the task's space, so the build never needs the tuner."""
+model's first pick among the task's points of templates it was trained on (none: the heuristic's),
+so the build never needs the tuner."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tvm.target import Target
 
 from tvm_ext.records import Database, numbered_records
 
-from .cost_model import CostModel, logged_groups
+from .cost_model import CostModel, logged_groups, trainable
 from .features import candidate_features
 from .space import knob_space
 
@@ -23,6 +24,7 @@ class ModelDatabase(Database):
     schedules for shapes none of them measured)."""
 
     model: CostModel
+    strategies: frozenset  # the templates of its training records: it ranks only their points
 
     @classmethod
     def load(cls, paths: str | os.PathLike | list) -> "ModelDatabase":
@@ -33,17 +35,19 @@ class ModelDatabase(Database):
         label = ", ".join(map(os.fspath, paths))
         db = cls.from_records(label, records)
         db.model = CostModel().fit(logged_groups([rec for _, rec in records]))
+        db.strategies = frozenset(rec["knobs"].get("strategy") for _, rec in records if trainable(rec))
         if db.model.booster is None:
             raise ValueError(f"tuning log(s) {label!r} have too few measurements to train a cost model")
         return db
 
     def lookup(self, func: tirx.PrimFunc, target: Target) -> dict | None:
-        return super().lookup(func, target) or predict(self.model, func, target)
+        return super().lookup(func, target) or predict(self.model, func, target, self.strategies)
 
 
-def predict(model: CostModel, func: tirx.PrimFunc, target: Target) -> dict | None:
-    """The point of `func`'s space `model` ranks first (None when no template fits it)."""
-    points = knob_space(func, target)
+def predict(model: CostModel, func: tirx.PrimFunc, target: Target, strategies=None) -> dict | None:
+    """The point of `func`'s space `model` ranks first, among those of `strategies` where given
+    (None when no such point is in the space)."""
+    points = [p for p in knob_space(func, target) if strategies is None or p["strategy"] in strategies]
     if not points:
         return None
     return dict(points[int(np.argmax(model.score(candidate_features(func, points, target))))])
