@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
@@ -268,7 +269,7 @@ def recipe(func: tirx.PrimFunc) -> dict | None:
         return None
 
     def plain(x):  # ints and expressions as they were, containers as tuples
-        return tuple(plain(y) for y in x) if isinstance(x, (list, tuple)) or type(x).__name__ == "Array" else x
+        return tuple(plain(y) for y in x) if isinstance(x, (list, tuple, tvm_ffi.Array)) else x
 
     def view(v) -> StridedView:
         return StridedView(plain(v["axes"]), plain(v["offset"]))

@@ -44,8 +44,8 @@ def task_flops(func, dims: dict | None = None) -> int:
     """Floating-point operations of a task's tensor-core work: 2 x the multiply-adds of its block
     `c += cast(a) * cast(b)` over two low-precision tensors (a matmul's or a convolution's); 0 for
     tasks without one (norms, softmax, sums); a fused attention's QK^T and PV."""
-    if attention.recipe(func) is not None:
-        return attention.flops(attention.recipe(func))
+    if (made := attention.recipe(func)) is not None:
+        return attention.flops(made)
     blocks = []
     tvm_ffi.structural_walk(func.body, (s_tir.SBlock, blocks.append), order="pre")
     for block in blocks:
@@ -207,8 +207,8 @@ def references(func) -> list[tirx.PrimFunc]:
     first is what a correct float32 candidate may be off (output_bounds); or for a matmul, its
     operands read as float32 and its loops parallel over rows and vectorised over columns (the
     unscheduled form of a large fp16 Linear is too slow on a CPU to serve as a reference)."""
-    if attention.recipe(func) is not None:
-        return [_attention_reference(attention.recipe(func), func)]
+    if (made := attention.recipe(func)) is not None:
+        return [_attention_reference(made)]
     convolution = conv2d.convolution(func)
     if convolution is not None:
         return [_conv2d_reference(convolution)]
@@ -242,7 +242,7 @@ def _conv2d_reference(convolution) -> tirx.PrimFunc:
     return sch.mod["main"]
 
 
-def _attention_reference(args: dict, func) -> tirx.PrimFunc:
+def _attention_reference(args: dict) -> tirx.PrimFunc:
     """softmax(Q K^T * scale [+ mask]) V in float64 for the CPU, a query row per parallel
     iteration, reading and writing the kernel's parameters through its views (a causal mask leaves
     the keys past the row out; a row with no key left is 0 with `empty_rows_zero`, else NaN)."""

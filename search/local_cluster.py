@@ -23,7 +23,7 @@ def free_port() -> int:
 
 
 def start(*args, env: dict | None = None, cpus: list[int] | None = None) -> subprocess.Popen:
-    """`python -m ARGS` in its own process group (a server forks a child per session), on `cpus`
+    """`python -m ARGS` in its own process group (a server forks a child per connection), on `cpus`
     where given, with `env` added to the environment."""
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     return subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
