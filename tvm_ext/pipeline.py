@@ -121,7 +121,7 @@ class ScheduleContractions:
         target = Target.current()
         dispatch, builder = {}, relax.BlockBuilder(mod)
         for gv, func in list(mod.functions_items()):
-            written = isinstance(func, tirx.PrimFunc) and attention.recipe(func) is not None
+            written = isinstance(func, tirx.PrimFunc) and attention.RECIPE in (func.attrs or {})  # decoded in the guard
             if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False) and not (written and self.database):
                 continue  # a kernel written before dispatch (attention) is remade only at a logged point
             try:
