@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", required=True)
     ap.add_argument("--suite", default="bench/suite.json", help="the suite file the case ids are from")
     ap.add_argument("--grid", required=True, help="JSON: knob name -> list of values; variants are the product")
+    ap.add_argument("--variance", default="welford", help="the variance algorithm the builds legalize with")
     args = ap.parse_args(argv)
     grid = json.loads(args.grid)
     target = tvm_ext.parse_target("cuda")
@@ -43,7 +44,7 @@ def main(argv=None) -> int:
     for case in [c for c in load_suite(args.suite) if c["id"] in wanted]:
         op, shape, dtype = case["op"], case["shape"], case["dtype"]
         mod = relax_module(op, shape, dtype)
-        funcs = fused_reduce_functions(mod, target)
+        funcs = fused_reduce_functions(mod, target, variance=args.variance)
         gen = torch.Generator(device="cuda").manual_seed(0)
         inputs = [(torch.randn(s, device="cuda", generator=gen) * 2 + 0.5).to(TORCH_DTYPE[dtype])
                   for s in input_shapes(op, shape)]
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
                 for name, func in funcs.items():
                     append_record(log, func, target, name, {**heuristic[name], **(variant or {})}, us=1.0)
                 try:
-                    fn = tvm_callable(tvm_ext.build(mod, target, database=log))
+                    fn = tvm_callable(tvm_ext.build(mod, target, database=log, variance=args.variance))
                     err = max_err(fn(*inputs), ref)
                     us = flushed_device_us(fn, inputs)
                 except Exception as e:  # a variant a template refuses or TVM cannot lower

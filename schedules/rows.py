@@ -28,6 +28,11 @@ NO_OPT_IN_SMEM = 48 * 1024
 STATIC_SMEM_LIMIT = NO_OPT_IN_SMEM - 1024
 
 
+# `cache` value of the row templates: each lane's share of the rows read twice or more stays in its
+# registers (no shared memory, no barrier between the reductions and the epilogue)
+REGISTERS = "registers"
+REGISTER_BYTES = 128  # of a lane's share of those rows at most: 32 of its 32-bit registers
+
 HALF_TYPES = ("float16", "bfloat16")
 HALF_LANES = 8  # TVM's CUDA code generator has no type for a vector of more halves ("float16x16")
 
@@ -62,11 +67,15 @@ def cached_inputs(pattern: ReducePattern) -> list:
     """Inputs read by two or more blocks of the chain, laid out as [rows..., row elements...]:
     staging those saves HBM traffic. A strided row (batch statistics of NCHW over N, H, W) is
     not staged: TVM sizes such a stage by the whole tensor, which the launch refuses."""
-    sch = pattern.sch
-    layout = [iv.dom.extent for iv in sch.get(pattern.reductions[0].block_rv).iter_vars]
+    layout = [iv.dom.extent for iv in pattern.sch.get(pattern.reductions[0].block_rv).iter_vars]
     return [buf for buf in pattern.input_buffers()
-            if [const_int(d) for d in buf.shape] == [const_int(e) for e in layout]
-            and sum(any(r.source.same_as(buf) for r in sch.get(b.block_rv).reads) for b in pattern.blocks) > 1]
+            if [const_int(d) for d in buf.shape] == [const_int(e) for e in layout] and passes_over(pattern, buf) > 1]
+
+
+def passes_over(pattern: ReducePattern, buf) -> int:
+    """Blocks of the chain that read `buf` (the pivot aside)."""
+    sch = pattern.sch
+    return sum(any(r.source.same_as(buf) for r in sch.get(b.block_rv).reads) for b in pattern.blocks)
 
 
 def row_bytes(pattern: ReducePattern, buffers) -> int | None:
@@ -147,6 +156,21 @@ def worth_caching(pattern: ReducePattern, device: Device, rows_per_block: int = 
     return bool(size) and size * rows_per_block <= stage_limit(device) and stage_is_bounded(pattern, rows_per_block)
 
 
+def fits_registers(pattern: ReducePattern, lanes: int) -> bool:
+    """Whether a lane's share of the inputs read twice or more (over `lanes` lanes a row) fits
+    REGISTER_BYTES, so that the chain can keep them in registers (cache=REGISTERS)."""
+    size = row_bytes(pattern, cached_inputs(pattern))
+    return bool(size) and size <= lanes * REGISTER_BYTES
+
+
+def register_vector(pattern: ReducePattern, vec: int) -> int:
+    """The vector a lane takes for rows kept in registers: no wider than the epilogue's stores
+    (MAX_EPILOGUE_LANES), as the epilogue stores each lane's own chunks; wider, each store covers
+    half of every 16 bytes across a warp (LayerNorm 32768 x 768 f16 in registers at 8 lanes 33.1 us,
+    at 4 lanes 32.4; 49152 x 1024 58.0 against 53.5: h200-2026-11-29-sweep-register-rows.log)."""
+    return min(vec, MAX_EPILOGUE_LANES) if pattern.epilogue is not None else vec
+
+
 def let_bound(pattern: ReducePattern) -> bool:
     """Whether a reduction of the chain updates a state of several values through let-bindings
     (Welford's (M2, mean, count), the one-pass (sum, sum of squares))."""
@@ -184,12 +208,13 @@ def stage_scopes(pattern: ReducePattern, buffers: list, rows_per_block: int) -> 
     return scopes
 
 
-def _spread(sch: s_tir.Schedule, loops, threads: int, vec: int, vectorize: bool):
+def _spread(sch: s_tir.Schedule, loops, threads: int, vec: int, vectorize: bool, vector_lanes: int | None = None):
     """Fuse `loops` and spread them over threadIdx.x in chunks of `vec` adjacent elements.
 
-    Stores and copies vectorize the chunk; a reduction unrolls it. Returns the serial loop. A
-    symbolic extent is split into chunks without a predicate: the kernel serves only widths that
-    are a multiple of `vec` (its width class's condition), so no chunk is partial.
+    Stores and copies vectorize the chunk (by `vector_lanes` at a time where fewer); a reduction
+    unrolls it. Returns the serial loop. A symbolic extent is split into chunks without a
+    predicate: the kernel serves only widths that are a multiple of `vec` (its width class's
+    condition), so no chunk is partial.
     """
     fused = sch.fuse(*loops)
     if vec > 1 and const_int(sch.get(fused).extent) is None:
@@ -199,6 +224,9 @@ def _spread(sch: s_tir.Schedule, loops, threads: int, vec: int, vectorize: bool)
         outer, tx, lane = sch.split(fused, [None, threads, vec])
     sch.reorder(tx, outer, lane)
     sch.bind(tx, "threadIdx.x")
+    if vectorize and vector_lanes and 1 < vector_lanes < vec:
+        steps, lane = sch.split(lane, [None, vector_lanes])
+        sch.unroll(steps)
     if vec > 1:
         (sch.vectorize if vectorize else sch.unroll)(lane)
     sch.annotate(outer, "pragma_auto_unroll_max_step", UNROLL)
@@ -237,15 +265,18 @@ def unaligned_vectors(pattern: ReducePattern, knobs: dict) -> bool:
     return vectors and const_int(pattern.reduce_extent) is None and "max_extent" not in knobs
 
 
-def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec: int, cache: bool,
+def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec: int, cache: bool | str,
                   reduce_vec: int | None = None):
     """The chain of `pattern` with rows along blockIdx.x/threadIdx.y, lanes along threadIdx.x.
 
+    `cache`: True stages the inputs read twice or more in shared memory; REGISTERS keeps each
+    lane's share of them in its registers, every block of the chain taking the same chunks.
     `reduce_vec`: adjacent elements a lane takes per step in the reductions (default `vec`; also
     for rows read from global memory, where wider steps beat 1 on batch statistics; measured: see
     docs/design.md#row-and-column-templates).
     """
-    reduce_vec = reduce_vec or vec
+    registers = cache == REGISTERS
+    reduce_vec = vec if registers else reduce_vec or vec
     if cache and not stage_is_bounded(pattern, rows_per_block):
         return None
     pattern = pattern.with_pivots_apart()  # the reductions then read one element of the row each
@@ -267,7 +298,10 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
     wide = reduce_vec > 1 and (in_vectors or (width is not None and width % (threads * reduce_vec) == 0))
     reductions = []
     if len(loops) > ns and pattern.epilogue is not None:  # an epilogue over every element of the row
-        _spread(sch, loops[ns:], threads, min(vec, MAX_EPILOGUE_LANES), vectorize=True)
+        if registers:  # the stage's chunks, stored MAX_EPILOGUE_LANES at a time
+            _spread(sch, loops[ns:], threads, vec, vectorize=True, vector_lanes=MAX_EPILOGUE_LANES)
+        else:
+            _spread(sch, loops[ns:], threads, min(vec, MAX_EPILOGUE_LANES), vectorize=True)
     elif len(loops) > ns:  # the row's last reduction: chunks where they are read as vectors (below)
         chunks = reduce_vec if wide and not (in_vectors and cache) else 1
         reductions.append((last.block_rv, _spread(sch, loops[ns:], threads, chunks, vectorize=False)))
@@ -286,8 +320,13 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
         sch.compute_at(pivot.block_rv, row, preserve_unit_loops=True)
 
     staged_buffers = []
-    for buf, scope in stage_scopes(pattern, cached_inputs(pattern), rows_per_block) if cache else []:
-        consumers = [b.block_rv for b in pattern.prologue + pattern.blocks
+    if registers:
+        stages = [(buf, "local") for buf in cached_inputs(pattern)]
+    else:
+        stages = stage_scopes(pattern, cached_inputs(pattern), rows_per_block) if cache else []
+    for buf, scope in stages:
+        # a pivot reads another lane's element: it keeps reading memory beside a register stage
+        consumers = [b.block_rv for b in (pattern.blocks if registers else pattern.prologue + pattern.blocks)
                      if any(r.source.same_as(buf) for r in sch.get(b.block_rv).reads)]
         index = [i for i, r in enumerate(sch.get(consumers[0]).reads) if r.source.same_as(buf)][0]
         stage = sch.cache_read(consumers[0], index, scope, consumer_blocks=consumers)
@@ -295,6 +334,11 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
         staged_row, *columns = sch.get_loops(stage)[1:]
         sch.bind(sch.fuse(staged_row, *columns[:-1]) if len(columns) > 1 else staged_row, "threadIdx.y")
         _spread(sch, columns[-1:], threads, vec, vectorize=True)
+        if registers:
+            # [chunk, element]: a lane's own chunks (a local buffer is the lane's own; each block of
+            # the chain binds threadIdx apart, so TVM cannot bound a lane's part of the row itself)
+            sch.transform_layout(stage, ("write", 0), lambda *i: (i[-1] // (threads * vec), i[-1] % vec),
+                                 assume_injective_transform=True)
         staged_buffers.append(sch.get(stage).writes[0].source)
     # inputs a reduction may copy to registers from memory; bool aside: TVM 0.27 has no CUDA type
     # for a register vector of bools
@@ -317,5 +361,6 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
         one_chunk = width == threads * reduce_vec
         for reduction, outer in reductions:
             ends = reduction.same_as(last.block_rv)
-            _wide_reads(sch, reduction, outer, staged_buffers + (from_memory if one_chunk or ends else []))
+            in_shared = [] if registers else staged_buffers
+            _wide_reads(sch, reduction, outer, in_shared + (from_memory if one_chunk or ends else []))
     return sch

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from .analysis import ROW, ReducePattern, const_int
 from .device import Device
-from .rows import (normalises, row_bytes, rows_dividing, schedule_rows, unaligned_vectors, vector_choices, vector_lanes,
+from .rows import (REGISTERS, cached_inputs, fits_registers, let_bound, normalises, passes_over, register_vector,
+                   row_bytes, rows_dividing, schedule_rows, unaligned_vectors, vector_choices, vector_lanes,
                    worth_caching)
 
 NAME = "warp_row"
@@ -20,6 +21,12 @@ BLOCK_THREADS = 128
 NORMALISING_VECTORS = 4
 NORMALISING_MIN_GROUP = 8
 NORMALISING_BLOCK_BYTES = 2048
+# Rows kept in registers where a lane's share of them is this or less (20 registers: 60 a lane with
+# LayerNorm's others, within the 64 that one-warp blocks at 32 a SM leave each); H200, against the
+# shared stage at 4 lanes: LayerNorm 65536 x 256 f16 22.9 -> 22.5 us, 32768 x 320 bf16 17.7 -> 16.9,
+# 49152 x 1024 f16 54.0 -> 53.5, but 16384 x 384 (96 B a lane) 11.8 -> 12.8 and 32768 x 768 30.5 -> 32.4
+# (h200-2026-11-29-sweep-register-rows.log)
+REGISTER_SHARE_BYTES = 80
 
 
 def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
@@ -45,17 +52,32 @@ def default_knobs(pattern: ReducePattern, device: Device) -> dict | None:
         threads = max(device.warp, group * rows_for_bytes)
     rows = rows_dividing(pattern, max(1, threads // group))
     count = const_int(pattern.row_count)
-    if count is not None and count < rows * device.sm_count:
+    few = count is not None and count < rows * device.sm_count
+    if few:
         # fewer blocks than SMs: latency-bound, a row a block spreads the rows over more SMs
         # (LayerNorm 64 x 768 f32 6.0 -> 5.0 us, 16 x 1024 f16 5.6 -> 5.0: h200-2026-11-28-sweep-few-short-rows.log)
         rows = 1
-    return {"strategy": NAME, "group": group, "rows_per_block": rows, "vec": vec,
-            "cache": worth_caching(pattern, device, rows)}
+    cache = worth_caching(pattern, device, rows)
+    if cache and not few and _worth_registers(pattern, group):
+        cache, vec = REGISTERS, register_vector(pattern, vec)
+    return {"strategy": NAME, "group": group, "rows_per_block": rows, "vec": vec, "cache": cache}
+
+
+def _worth_registers(pattern: ReducePattern, group: int) -> bool:
+    """Whether the heuristic keeps the rows in registers: a lane's share fits REGISTER_SHARE_BYTES
+    and the chain reads them three times or more (softmax) or updates a state of several values
+    (Welford's). A row read twice (RMSNorm) keeps its shared stage, read in 16-byte vectors
+    (RMSNorm 65536 x 512 bf16 37.1 us staged, 37.6 in registers: h200-2026-11-28-beyond.md and
+    h200-2026-11-29-beyond-register-rows.md)."""
+    inputs = cached_inputs(pattern)
+    return ((row_bytes(pattern, inputs) or 0) <= group * REGISTER_SHARE_BYTES
+            and (let_bound(pattern) or max(passes_over(pattern, buf) for buf in inputs) >= 3))
 
 
 def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
     """Every valid point: lane groups of 2..32 per row, blocks of 32..1024 threads, each vector
-    width dividing the row, staged where the block's rows fit shared memory."""
+    width dividing the row, staged where the block's rows fit shared memory or a lane's share
+    fits its registers."""
     n, size = const_int(pattern.reduce_extent), row_bytes(pattern, pattern.input_buffers()[:1])
     if not device.is_gpu or pattern.layout != ROW or n is None or size > MAX_ROW_BYTES:
         return []
@@ -64,7 +86,8 @@ def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
             for rows in (1, 2, 4, 8, 16, 32) if device.warp <= group * rows <= device.max_threads
             and rows_dividing(pattern, rows) == rows
             for vec in vector_choices(pattern) if group * vec <= n
-            for cache in (False, True) if not cache or worth_caching(pattern, device, rows)]
+            for cache in (False, True, REGISTERS) if not cache or (fits_registers(pattern, group) if cache == REGISTERS
+                                                                    else worth_caching(pattern, device, rows))]
 
 
 def apply(pattern: ReducePattern, device: Device, knobs: dict):
@@ -76,5 +99,5 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict):
         return None  # vectors over a width they may not divide: no tail chunk is tested
     if not 2 <= group <= device.warp or group & (group - 1) or group * rows > device.max_threads:
         return None
-    return schedule_rows(pattern, group, rows, int(knobs.get("vec", 1)), bool(knobs.get("cache")),
+    return schedule_rows(pattern, group, rows, int(knobs.get("vec", 1)), knobs.get("cache") or False,
                          knobs.get("reduce_vec"))

@@ -20,7 +20,7 @@ from tvm_ext.schedules.analysis import ReducePattern, const_int, match
 from tvm_ext.schedules.contracts import WARP
 from tvm_ext.schedules.device import Device, device_of
 from tvm_ext.schedules.dispatch import STRATEGIES
-from tvm_ext.schedules.rows import cached_inputs, estimated_registers, row_bytes
+from tvm_ext.schedules.rows import REGISTERS, cached_inputs, estimated_registers, row_bytes
 
 NOMINAL = 4096  # stands for a symbolic extent
 NAMES = tuple(f"is_{name}" for name in STRATEGIES) + ("is_matmul", "is_conv2d") + (
@@ -59,7 +59,10 @@ def features(pattern: ReducePattern, knobs: dict, device: Device) -> np.ndarray:
     threads, blocks, lanes, rows_per_block = _launch(knobs, rows, device)
     staged = bool(knobs.get("cache")) and bool(cached_inputs(pattern))
     staged_bytes = (row_bytes(pattern, cached_inputs(pattern)) or 0) * rows_per_block if staged else 0
-    resident = device.resident_blocks(threads, estimated_registers(pattern), staged_bytes) if device.is_gpu else 1
+    registers = estimated_registers(pattern)
+    if knobs.get("cache") == REGISTERS:  # a lane's share in its registers, none in shared memory
+        registers, staged_bytes = registers + staged_bytes // (4 * threads), 0
+    resident = device.resident_blocks(threads, registers, staged_bytes) if device.is_gpu else 1
     slots = max(1, device.sm_count * resident)
     waves = blocks / slots
     strategy = [float(knobs["strategy"] == name) for name in STRATEGIES] + [0.0, 0.0]

@@ -13,7 +13,7 @@ from bench.suite import relax_module
 from conftest import CUDA_TARGET
 from barriers import divergent_barriers
 from helpers import CASES
-from tvm_ext.schedules import warp_row
+from tvm_ext.schedules import block_row, warp_row
 from tvm_ext.schedules.dispatch import DYNAMIC_ROW_VARIANTS
 
 # bn_stats (mean and variance of the same x) is paired into one Welford kernel.
@@ -22,13 +22,15 @@ KERNELS: dict = {}
 
 def expected_kernels(case) -> int:
     """One per fused function, times the width classes when the row width is symbolic (each bound
-    twice: widths a vector divides, and the rest), or two for a LayerNorm over a symbolic row count
-    of block_row's widths (fewer rows than SMs, and the rest), times the int32 and int64 versions
-    when any dim is (tvm_ext/tir/narrowing.py)."""
+    twice: widths a vector divides, and the rest), or two over a symbolic row count for a LayerNorm
+    of block_row's widths or float32 rows that many rows keep in registers (fewer rows than SMs, and
+    the rest), times the int32 and int64 versions when any dim is (tvm_ext/tir/narrowing.py)."""
     symbolic_width = isinstance(case["shape"][-1], str)
     symbolic = any(isinstance(d, str) for d in case["shape"])
-    few_rows = (symbolic and not symbolic_width and case["op"] == "layer_norm"
-                and case["shape"][-1] * 2 > warp_row.MAX_ROW_BYTES)  # fp16 rows block_row takes
+    row_bytes = 0 if symbolic_width else case["shape"][-1] * (4 if case["dtype"] == "float32" else 2)
+    few_rows = symbolic and not symbolic_width and (
+        case["op"] == "layer_norm" and row_bytes > warp_row.MAX_ROW_BYTES
+        or case["dtype"] == "float32" and row_bytes >= block_row.REGISTER_ROW_BYTES)
     classes = 2 * len(DYNAMIC_ROW_VARIANTS) if symbolic_width else 2 if few_rows else 1
     return KERNELS.get(case["op"], 1) * classes * (2 if symbolic else 1)
 _built = {}
@@ -57,9 +59,14 @@ def test_one_cross_thread_kernel_per_fused_reduction(case):
 
 @pytest.mark.parametrize("case", [c for c in CASES if c["op"] in ("layer_norm", "softmax") and "dynamic" not in c
                                   and c["shape"][-1] * 2 <= 64 * 1024], ids=lambda c: c["id"])
-def test_row_read_once_into_shared_memory_with_128bit_loads(case):
+def test_row_read_once_into_shared_memory_or_registers(case):
     _, src, _ = build_case(case)
     elem = "half" if case["dtype"] == "float16" else "nv_bfloat16"
+    if re.search(rf"{elem} p0_local_ptr\[\d+\];", src) and "p0_shared" not in src:  # rows kept in registers
+        # each lane loads its chunks once, 4 halves at a time (its epilogue's stores), at constant indices
+        assert re.search(rf"\*\({elem}4\*\)\(p0_local_ptr \+ \d+\) = \*\({elem}4\*\)\(p0_ptr", src)
+        assert src.count("p0_ptr[") == (1 if case["op"] == "layer_norm" else 0), "x read once (and Welford's pivot)"
+        return
     assert re.search(rf"extern __shared__ __align__\(\d+\) {elem} p0_shared_dyn_ptr\[\];", src)
     assert re.search(r"\*\(uint4\*\)\(p0_shared_dyn_ptr \+ .*= \*\(uint4\*\)\(p0_ptr", src), "staged by 16-byte loads"
     assert src.count("p0_ptr[") == 0, "after staging, x must never be read from global memory again"

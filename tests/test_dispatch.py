@@ -15,6 +15,7 @@ from tvm_ext.schedules import warp_row
 from tvm_ext.schedules.analysis import match
 from tvm_ext.schedules.device import Device, device_of
 from tvm_ext.schedules.grid_reduce import joint_allocation
+from tvm_ext.schedules.rows import REGISTERS
 from tvm_ext.pipeline import fused_reduce_functions
 
 TARGET = tvm_ext.parse_target(CUDA_TARGET)
@@ -31,15 +32,20 @@ def plans(op, shape, dtype):
     ("layer_norm", [32768, 768], "float16", {"strategy": "warp_row", "group": 16, "rows_per_block": 2, "cache": True}),
     ("layer_norm", [8192, 1000], "float16", {"strategy": "warp_row", "group": 16, "rows_per_block": 2}),  # a tail chunk
     ("layer_norm", [49152, 1024], "float16", {"strategy": "warp_row", "group": 32, "rows_per_block": 1}),
-    ("layer_norm", [65536, 256], "float16", {"strategy": "warp_row", "group": 8, "rows_per_block": 4}),
+    # a lane's share of 80 bytes or less: kept in its registers, 4 halves at a time (its epilogue's stores)
+    ("layer_norm", [65536, 256], "float16", {"strategy": "warp_row", "group": 8, "rows_per_block": 4, "vec": 4,
+                                             "cache": REGISTERS}),
     ("layer_norm", [131072, 128], "float16", {"strategy": "warp_row", "group": 8, "rows_per_block": 8}),
     # fewer blocks than SMs: a row a block
     ("layer_norm", [64, 768], "float32", {"strategy": "warp_row", "group": 32, "rows_per_block": 1}),
     ("softmax", [32, 1000], "float16", {"strategy": "warp_row", "group": 32, "rows_per_block": 1}),
     ("softmax", [65536, 256], "float16", {"strategy": "warp_row", "group": 32, "rows_per_block": 4}),
-    ("softmax", [49152, 1024], "float16", {"strategy": "warp_row", "group": 32, "cache": True}),
+    ("softmax", [49152, 1024], "float16", {"strategy": "warp_row", "group": 32, "cache": REGISTERS}),
     ("layer_norm", [8192, 4096], "float16", {"strategy": "block_row", "threads": 128, "cache": True}),
-    ("softmax", [2048, 32768], "float16", {"strategy": "block_row", "threads": 1024, "cache": True}),
+    # staged rows of 16 KB or more: in registers at 512 lanes where the vectors stay 16 bytes (float32)
+    ("softmax", [2048, 32768], "float16", {"strategy": "block_row", "threads": 1024, "vec": 8, "cache": True}),
+    ("layer_norm", [8192, 4096], "float32", {"strategy": "block_row", "threads": 512, "vec": 4, "cache": REGISTERS}),
+    ("layer_norm", [16, 4096], "float32", {"strategy": "block_row", "cache": True}),  # fewer rows than SMs: staged
     ("softmax", [256, 262144], "float32", {"strategy": "block_row", "threads": 512, "cache": False}),  # 1 MiB rows
     ("row_sum", [4096, 1000], "float32", {"strategy": "warp_row"}),
     ("row_sum", [64, 131072], "float32", {"strategy": "grid_reduce", "blocks_per_row": 4, "threads": 1024}),
@@ -84,14 +90,16 @@ def test_symbolic_width_plans_three_classes_each_with_a_vector_kernel():
 
 def test_a_symbolic_row_count_gets_a_kernel_for_fewer_rows_than_sms():
     """A LayerNorm over [n, 4096] or [b, s, 8192]: fewer rows than SMs (a decoding step) take
-    block_row's few-row block, one or two 16-byte vectors a lane, the rest its bandwidth block. RMSNorm (no
+    block_row's few-row block, one or two 16-byte vectors a lane, the rest its bandwidth block (rows of
+    16 KB: kept in registers). RMSNorm (no
     Welford state) and rows warp_row takes pick alike for both: one kernel."""
     sm_count = device_of(TARGET).sm_count
     for shape, rows in ((["n", 4096], "n"), (["b", "s", 8192], "b * s")):
         (plan,) = plans("layer_norm", shape, "float16").values()
         assert [str(cond) for cond, _ in plan] == [f"{rows} < T.int64({sm_count})", "None"]
         (_, few), (_, many) = plan
-        assert few["threads"] > many["threads"] and few["threads"] * few["vec"] >= shape[-1] // 2
+        assert few["threads"] * few["vec"] >= shape[-1] // 2 and few["cache"] is True  # staged
+        assert many["threads"] < few["threads"] or many["cache"] == REGISTERS  # 16 KB rows: registers
     for op, shape in (("rms_norm", ["n", 4096]), ("layer_norm", ["n", 1024]), ("softmax", ["n", 4096])):
         (plan,) = plans(op, shape, "float16").values()
         assert [cond for cond, _ in plan] == [None], (op, shape)

@@ -35,6 +35,10 @@ def test_features_follow_the_knobs():
     assert block[(128, 1, True)][col["vector_bytes"]] < small[col["vector_bytes"]]
     assert all(row[col["is_block_row"]] == 1 and row[col["is_warp_row"]] == 0 for row in block.values())
     assert 0 < small[col["sm_utilisation"]] <= 1 and 0 < small[col["occupancy"]] <= 1
+    # a row kept in registers: staged, but no shared memory; its registers (64 B a lane at 128) cost occupancy
+    registers, shared = block[(128, 8, "registers")], block[(128, 8, True)]
+    assert registers[col["staged"]] == 1 and registers[col["staged_bytes_per_block"]] == 0 < shared[col["staged_bytes_per_block"]]
+    assert registers[col["occupancy"]] != shared[col["occupancy"]]
 
 
 def test_gemv_candidates_have_features_that_follow_their_knobs():

@@ -174,7 +174,7 @@ def test_the_attention_task_tunes_and_builds_from_its_log(tmp_path, rng):
     assert len(lines) == 4 and all(line.get("error") is None for line in lines)
     assert {json.dumps(line["knobs"], sort_keys=True) for line in lines} == {
         json.dumps({"strategy": "attention", "warpgroups": w, "block_n": n}, sort_keys=True) for w in (1, 2) for n in (64, 128)}
-    report = next(r for r in reports if r.task == task.name)
+    report = next(r for r in reports if r.name == task.name)
     assert Database.load(log).lookup(task.func, cuda) == report.knobs
     q, k, v = (rng.standard_normal((2, 3, 128, 64)).astype("float16") for _ in range(3))
     dev = tvm.cuda()

@@ -54,7 +54,7 @@ def test_model_guided_search_beats_random_search_on_the_same_budget(tmp_path):
             bests.append(s.best_us)
         found[name] = bests
     optimum = exhaustive_best(s)
-    assert len(s.points) == 200
+    assert len(s.points) == 264  # warp_row and block_row points, shared or register stages among them
     assert np.mean(found["model"]) < np.mean(found["random"]), found
     assert sum(b <= optimum * 1.03 for b in found["model"]) >= 2, (found, optimum)  # most seeds: within 3%
 
