@@ -73,8 +73,10 @@ class Measurer:
         started, libs = time.monotonic(), []
         # first: the runners start on a task once its reference is there, so it never counts
         # against a candidate's timeout (the reference of a large layer takes longer than a build)
-        referencing = {b for b, (func_json, dims) in enumerate(tasks)
-                       if not os.path.exists(reference_path(func_json, dims, self.scratch.name))}
+        # a task's runs go to the runner that ran it before where they can (an RPC server keeps the
+        # task's tensors); its reference's file names the task
+        homes = [reference_path(func_json, dims, self.scratch.name) for func_json, dims in tasks]
+        referencing = {b for b, home in enumerate(homes) if not os.path.exists(home)}
         for b in sorted(referencing):
             self.builders.submit((REFERENCE, b), prepare_reference, (*tasks[b], self.scratch.name),
                                  max(self.timeout, REFERENCE_TIMEOUT_S))
@@ -98,17 +100,17 @@ class Measurer:
                     libs.append(lib)
                     func_json, dims = tasks[job[0]]
                     jobs[job] = (func_json, self.target_json, dims, self.scratch.name, lib, zeroed, *self.remote)
-                    self.runners.submit(job, self.runner, jobs[job], self.timeout)
+                    self.runners.submit(job, self.runner, jobs[job], self.timeout, affinity=homes[job[0]])
                 built = [(job, lib) for job, lib in built if job[0] in referencing]
             running = not self.runners.idle
             for job, answer in finished + self.runners.poll():
                 if answer[0] != "ok" and answer[1].startswith(ServerBusyError.__name__) \
                         and busy.get(job, 0) < BUSY_RETRIES:  # the servers are alive: the candidate waits its turn
                     busy[job] = busy.get(job, 0) + 1
-                    self.runners.submit(job, self.runner, jobs[job], self.timeout)
+                    self.runners.submit(job, self.runner, jobs[job], self.timeout, affinity=homes[job[0]])
                     continue
                 if self._server_gone(answer):  # not the candidate's failure: it goes to another runner
-                    self.runners.submit(job, self.runner, jobs[job], self.timeout)
+                    self.runners.submit(job, self.runner, jobs[job], self.timeout, affinity=homes[job[0]])
                     continue
                 outcome[job] = answer
                 b, i = job

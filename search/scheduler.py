@@ -1,7 +1,7 @@
 """Task scheduler: spend one trial budget across a model's tasks where it pays most.
 
-Tasks are measured in rounds of several tasks' batches at once (about ROUND candidates: the
-measurer builds them all and runs each as it is built, so runners never wait for one task's
+Tasks are measured in rounds of several tasks' batches at once (about ROUND candidates a runner:
+the measurer builds them all and runs each as it is built, so runners never wait for one task's
 builds). Tasks never measured come first (also in a resumed run), then the task with the largest
 expected gain x weight (best latency times the last relative improvement, floored by the
 unexplored share, times the call count) and those within PEERS of its gain."""
@@ -13,7 +13,7 @@ from tqdm import tqdm
 from .strategy import TaskSearch
 
 FLOOR = 0.02  # expected relative improvement of a batch over an unexplored space
-ROUND = 24  # candidates a round aims for: three batches of the default size
+ROUND = 24  # candidates a round aims for, a runner: three batches of the default size
 PEERS = 0.5  # a measured task joins a round whose best task's expected gain is at most 1 / PEERS its own
 
 
@@ -30,11 +30,16 @@ def each_batch(measure):
     return lambda batches: [measure(func, candidates, dims, on_result=log) for func, candidates, dims, log in batches]
 
 
-def tune(searches: list[TaskSearch], measure, trials: int, prior: list = (), progress: bool = True) -> list[TaskSearch]:
+def tune(searches: list[TaskSearch], measure, trials: int, prior: list = (), progress: bool = True,
+         runners: int = 1) -> list[TaskSearch]:
     """Run `searches` with at most `trials` new measurements over all of them; `measure(batches)`
-    measures a round, [(func, candidates, dims, on_result)] -> [[Result]] (Measurer.measure_round)."""
+    measures a round, [(func, candidates, dims, on_result)] -> [[Result]] (Measurer.measure_round).
+    `runners`: candidates measured at once (RPC servers); a round takes ROUND candidates for each,
+    so that what a round costs besides its runs (its first builds, its last candidate's tail, the
+    retraining and proposals between rounds) is shared by as many candidates a runner."""
     def retrain(search):
-        search.retrain(list(prior) + [other.own_group() for other in searches if other is not search])
+        if not search.done:  # a finished task proposes nothing more: its model would go unused
+            search.retrain(list(prior) + [other.own_group() for other in searches if other is not search])
 
     for search in searches:
         retrain(search)
@@ -51,7 +56,7 @@ def tune(searches: list[TaskSearch], measure, trials: int, prior: list = (), pro
         ranked = sorted([s for s in live if s.measured], key=_gain, reverse=True)
         peers = [s for s in ranked if _gain(s) >= PEERS * _gain(ranked[0])]
         for search in fresh + peers:
-            if planned >= min(ROUND, trials - spent):
+            if planned >= min(ROUND * runners, trials - spent):
                 break
             batch = search.propose(trials - spent - planned)
             if batch.chosen:

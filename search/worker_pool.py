@@ -101,14 +101,19 @@ class Worker:
 class Pool:
     """Up to `size` workers taking submitted jobs in order; a worker whose job failed is replaced
     before it takes another. With `spare`, one more worker is kept started so that a replacement
-    does not wait for TVM's import."""
+    does not wait for TVM's import.
+
+    A job may name an `affinity` (the task it measures): a free worker takes a job of a task it
+    ran before first (an RPC runner keeps a task's tensors on its server: paid once, not once a
+    server), then one of a task no worker ran yet, then any, so no worker idles while jobs wait."""
 
     def __init__(self, size: int, spare: bool = False):
         self.context, self.size, self.spare = mp.get_context("spawn"), size, spare
         self.workers: list = []
         self.reserve = None
-        self.pending: deque = deque()  # (job id, fn, args, timeout) not started yet
+        self.pending: deque = deque()  # (job id, fn, args, timeout, affinity) not started yet
         self.busy: dict = {}  # worker -> timeout of its job
+        self.homes: dict = {}  # affinity -> the worker that first ran one of its jobs
 
     def _fresh(self) -> Worker:
         worker, self.reserve = self.reserve or Worker(self.context), None
@@ -121,8 +126,20 @@ class Pool:
         while len(self.workers) < self.size:
             self.workers.append(self._fresh())
 
-    def submit(self, job_id, fn, args, timeout: float) -> None:
-        self.pending.append((job_id, fn, args, timeout))
+    def submit(self, job_id, fn, args, timeout: float, affinity=None) -> None:
+        self.pending.append((job_id, fn, args, timeout, affinity))
+
+    def _take(self, worker: Worker) -> tuple:
+        """The pending job `worker` starts next (see the class's affinity order)."""
+        for wanted in (lambda a: a is not None and self.homes.get(a) is worker,
+                       lambda a: a is None or a not in self.homes, lambda a: True):
+            for k, job in enumerate(self.pending):
+                if wanted(job[4]):
+                    del self.pending[k]
+                    if job[4] is not None:
+                        self.homes.setdefault(job[4], worker)
+                    return job
+        raise LookupError("no pending job")
 
     @property
     def idle(self) -> bool:
@@ -135,7 +152,7 @@ class Pool:
         for worker in [w for w in self.workers if w not in self.busy]:
             if not self.pending:
                 break
-            job_id, fn, args, timeout = self.pending.popleft()
+            job_id, fn, args, timeout, _ = self._take(worker)
             worker.submit(job_id, fn, args)
             self.busy[worker] = timeout
         ended = []
@@ -148,6 +165,7 @@ class Pool:
             if answer[0] != "ok":
                 worker.close(kill=True)
                 self.workers[self.workers.index(worker)] = self._fresh()
+                self._forget(worker)
         return ended
 
     def shrink(self) -> None:
@@ -156,8 +174,13 @@ class Pool:
         idle = next((w for w in self.workers if w not in self.busy), None)
         if idle is not None:
             self.workers.remove(idle)
+            self._forget(idle)
             idle.stop()
             idle.close()
+
+    def _forget(self, worker: Worker) -> None:
+        """Tasks `worker` ran find a new home: it is gone, and what it kept with it."""
+        self.homes = {a: w for a, w in self.homes.items() if w is not worker}
 
     def map(self, fn, jobs: list, timeout: float) -> list:
         """(status, value) of fn(*args) for each args of `jobs`, in order."""

@@ -205,3 +205,23 @@ def test_a_round_measures_several_tasks_batches_at_once():
     assert all(r.error is None and r.best_us > 0 for rs in results for r in rs)
     assert [sorted(i for i, _ in reported) for reported in seen] == [[0, 1], [0, 1]]
     assert all(knobs == batches[b][1][i] for b in (0, 1) for i, knobs in seen[b])
+
+
+def test_a_free_runner_takes_a_task_it_ran_before_then_a_new_task_then_any():
+    """An RPC runner keeps a task's tensors on its server: its task's next candidates go to it, a
+    task no runner has run goes to a free runner, and a runner with nothing of its own takes any
+    job rather than idle (one task's batch still spreads over every server)."""
+    from tvm_ext.search.worker_pool import Pool  # noqa: PLC0415
+
+    pool, first, second = Pool(2), object(), object()  # the order of jobs only: no process started
+    for job, task in [("a1", "A"), ("a2", "A"), ("b1", "B"), ("a3", "A"), ("b2", "B"), ("c1", "C")]:
+        pool.submit(job, None, (), 1.0, affinity=task)
+    taken = lambda worker: pool._take(worker)[0]  # noqa: E731
+    assert [taken(first), taken(second)] == ["a1", "b1"]  # each a task of its own
+    assert [taken(second), taken(first), taken(first)] == ["b2", "a2", "a3"]  # back to its own task
+    assert taken(second) == "c1"  # nothing of its own left: a task no runner ran
+    pool.submit("a4", None, (), 1.0, affinity="A")
+    assert taken(second) == "a4"  # only another runner's task is left: taken rather than idle
+    pool._forget(first)
+    pool.submit("a5", None, (), 1.0, affinity="A")
+    assert taken(second) == "a5" and pool.homes["A"] is second  # its runner gone: the task finds a new one

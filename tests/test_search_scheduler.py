@@ -126,3 +126,28 @@ def test_tasks_of_like_gain_share_a_round_and_a_heavy_one_takes_rounds_alone(tmp
     assert len(rounds[0]) == 5  # every task fresh: 20 candidates in one round
     assert any(rounds[i] == [heavy.func] for i in range(1, len(rounds)))
     assert sum(len(s.measured) for s in searches) == 60
+
+
+def test_a_round_takes_round_candidates_for_each_runner_and_finished_tasks_are_not_retrained(tmp_path):
+    """Two RPC servers measure twice as many candidates a round (what a round costs besides its
+    runs is then shared by twice as many); a task whose space is exhausted is not retrained."""
+    tasks = [task("softmax", [4096, n]) for n in (256, 512, 1024, 2048, 4096, 8192)]
+    sizes = {}
+    for runners in (1, 2):
+        log = str(tmp_path / f"runners{runners}.json")
+        searches = [TaskSearch(t, TARGET, log, budget=64, batch=8, patience=99) for t in tasks]
+        measure_one, rounds = each_batch(oracle({s.task.func: s for s in searches})), []
+
+        def measure(batches):
+            rounds.append(sum(len(candidates) for _, candidates, *_ in batches))
+            return measure_one(batches)
+
+        tune(searches, measure, trials=96, progress=False, runners=runners)
+        sizes[runners] = rounds[0]
+    assert sizes == {1: 24, 2: 48}
+
+    (small,) = [TaskSearch(task("softmax", [4096, 64]), TARGET, str(tmp_path / "small.json"), budget=200, batch=200)]
+    fits = []
+    small.retrain = lambda groups: fits.append(len(groups))
+    tune([small], each_batch(oracle({small.task.func: small})), trials=200, progress=False)
+    assert small.done and len(fits) == 1  # the fit before its only batch, none after it exhausted its space
