@@ -15,8 +15,10 @@ from .device import Device
 from .contracts import WIDTH_IN_VECTORS
 
 UNROLL = 256
-# TVM 0.27's CUDA codegen emits a broadcast of 8 float32 lanes as make_ulonglong4(8 floats), which
-# nvcc rejects; epilogues compute in float32, so they vectorize by at most 4 lanes (float4).
+# Epilogues compute in float32. TVM 0.27's CUDA codegen makes an 8-lane float32 vector from lanes
+# with a call nvcc rejects (tvm_ext.tir.source_hook.float8_vectors spells it out); rows kept in
+# registers store their chunks whole (up to 8 halves), staged rows at most 4 lanes at a time
+# (8 not measured there).
 MAX_EPILOGUE_LANES = 4
 # Shared memory a stage leaves to what TVM's cross-thread reductions and the driver declare beside it.
 STAGE_RESERVE = 4 * 1024
@@ -164,10 +166,11 @@ def fits_registers(pattern: ReducePattern, lanes: int) -> bool:
 
 
 def register_vector(pattern: ReducePattern, vec: int) -> int:
-    """The vector a lane takes for rows kept in registers: no wider than the epilogue's stores
-    (MAX_EPILOGUE_LANES), as the epilogue stores each lane's own chunks; wider, each store covers
-    half of every 16 bytes across a warp (LayerNorm 32768 x 768 f16 in registers at 8 lanes 33.1 us,
-    at 4 lanes 32.4; 49152 x 1024 58.0 against 53.5: h200-2026-11-29-sweep-register-rows.log)."""
+    """The vector the heuristic gives a lane for rows kept in registers: at most MAX_EPILOGUE_LANES
+    where there is an epilogue. Measured while the epilogue stored a chunk of 8 halves 4 lanes at a
+    time (each store then covered half of every 16 bytes across a warp): LayerNorm 32768 x 768 f16
+    in registers at 8 lanes 33.1 us, at 4 lanes 32.4; 49152 x 1024 58.0 against 53.5
+    (h200-2026-11-29-sweep-register-rows.log); whole 8-lane stores are not measured yet."""
     return min(vec, MAX_EPILOGUE_LANES) if pattern.epilogue is not None else vec
 
 
@@ -208,13 +211,12 @@ def stage_scopes(pattern: ReducePattern, buffers: list, rows_per_block: int) -> 
     return scopes
 
 
-def _spread(sch: s_tir.Schedule, loops, threads: int, vec: int, vectorize: bool, vector_lanes: int | None = None):
+def _spread(sch: s_tir.Schedule, loops, threads: int, vec: int, vectorize: bool):
     """Fuse `loops` and spread them over threadIdx.x in chunks of `vec` adjacent elements.
 
-    Stores and copies vectorize the chunk (by `vector_lanes` at a time where fewer); a reduction
-    unrolls it. Returns the serial loop. A symbolic extent is split into chunks without a
-    predicate: the kernel serves only widths that are a multiple of `vec` (its width class's
-    condition), so no chunk is partial.
+    Stores and copies vectorize the chunk; a reduction unrolls it. Returns the serial loop. A
+    symbolic extent is split into chunks without a predicate: the kernel serves only widths that
+    are a multiple of `vec` (its width class's condition), so no chunk is partial.
     """
     fused = sch.fuse(*loops)
     if vec > 1 and const_int(sch.get(fused).extent) is None:
@@ -224,9 +226,6 @@ def _spread(sch: s_tir.Schedule, loops, threads: int, vec: int, vectorize: bool,
         outer, tx, lane = sch.split(fused, [None, threads, vec])
     sch.reorder(tx, outer, lane)
     sch.bind(tx, "threadIdx.x")
-    if vectorize and vector_lanes and 1 < vector_lanes < vec:
-        steps, lane = sch.split(lane, [None, vector_lanes])
-        sch.unroll(steps)
     if vec > 1:
         (sch.vectorize if vectorize else sch.unroll)(lane)
     sch.annotate(outer, "pragma_auto_unroll_max_step", UNROLL)
@@ -298,10 +297,8 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
     wide = reduce_vec > 1 and (in_vectors or (width is not None and width % (threads * reduce_vec) == 0))
     reductions = []
     if len(loops) > ns and pattern.epilogue is not None:  # an epilogue over every element of the row
-        if registers:  # the stage's chunks, stored MAX_EPILOGUE_LANES at a time
-            _spread(sch, loops[ns:], threads, vec, vectorize=True, vector_lanes=MAX_EPILOGUE_LANES)
-        else:
-            _spread(sch, loops[ns:], threads, min(vec, MAX_EPILOGUE_LANES), vectorize=True)
+        # rows in registers: the stage's own chunks
+        _spread(sch, loops[ns:], threads, vec if registers else min(vec, MAX_EPILOGUE_LANES), vectorize=True)
     elif len(loops) > ns:  # the row's last reduction: chunks where they are read as vectors (below)
         chunks = reduce_vec if wide and not (in_vectors and cache) else 1
         reductions.append((last.block_rv, _spread(sch, loops[ns:], threads, chunks, vectorize=False)))

@@ -21,6 +21,7 @@ from tvm_ext.schedules import heuristic_knobs
 from tvm_ext.schedules.analysis import match
 from tvm_ext.schedules.dispatch import STRATEGIES, device_of, schedule
 from tvm_ext.schedules.rows import REGISTER_BYTES, REGISTERS
+from tvm_ext.tir.source_hook import FLOAT8, float8_vectors
 
 TARGET = tvm_ext.parse_target(CUDA_TARGET)
 
@@ -52,8 +53,8 @@ def test_a_layer_norm_row_in_registers_is_read_once_without_shared_memory():
     # x is read from memory nowhere else but the pivot (the row's first element)
     assert len(re.findall(r"p0_ptr\[", src)) == 1
     assert "__shared__" not in src and "__syncthreads" not in src
-    # the epilogue reads the lane's registers at constant indices
-    assert re.search(r"\*\(nv_bfloat164\*\)\(p0_local_ptr \+ 36\)", src)
+    # the epilogue reads the lane's registers at constant indices, a chunk of 8 at a time
+    assert re.search(r"= \*\(uint4\*\)\(p0_local_ptr \+ 32\);", src)
 
 
 def test_register_points_are_offered_only_where_a_lanes_share_fits():
@@ -83,6 +84,28 @@ def test_every_register_point_compiles_without_local_memory(op, shape, dtype, tm
                                 str(tmp_path / "k.cu")], capture_output=True, text=True, check=True).stderr
         frames = [int(n) for n in re.findall(r"(\d+) bytes stack frame", ptxas)]
         assert frames and not any(frames), f"{knobs}: a lane's chunks went to local memory ({ptxas})"
+
+
+def test_8_lane_float32_vectors_made_from_lanes_are_spelled_out():
+    code = ('extern "C" __global__ void k(float* p) {\n'
+            '  ulonglong4 a = make_ulonglong4((p[0] + f(1, 2)), p[1], p[2], p[3], p[4], p[5], p[6], p[7]);\n'
+            '  ulonglong4 b = make_ulonglong4(1, 2, 3, 4);\n}\n')
+    fixed = float8_vectors(code)
+    assert f"ulonglong4 a = {FLOAT8}((p[0] + f(1, 2)), p[1]," in fixed  # 8 arguments: 8 floats, packed
+    assert "ulonglong4 b = make_ulonglong4(1, 2, 3, 4);" in fixed  # 4: a true ulonglong4, kept
+    assert fixed.index(f"ulonglong4 {FLOAT8}(") < fixed.index('extern "C"')  # defined before the kernel
+    assert float8_vectors(code.replace("p[6], p[7]", "p[6]")) == code.replace("p[6], p[7]", "p[6]")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_halves_in_registers_store_their_8_lane_chunks_whole(tmp_path):
+    _, func = _task(relax_module("layer_norm", [4096, 1024], "float16"))
+    src = _cuda(func, {"strategy": "warp_row", "group": 32, "rows_per_block": 1, "vec": 8, "cache": REGISTERS})
+    assert f"{FLOAT8}(" in src  # the mean and the reciprocal deviation broadcast over 8 float32 lanes
+    assert len(re.findall(r"\*\(uint4\*\)\(compute_ptr \+", src)) == 4  # 1024 / 32 lanes: four 16-byte stores
+    (tmp_path / "k.cu").write_text(src)
+    subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), str(tmp_path / "k.cu")],
+                   check=True, capture_output=True)
 
 
 def _spread_sample(points: list[dict], per_kind: int = 3) -> list[dict]:

@@ -1,8 +1,9 @@
 """Last fixes to generated CUDA source, through TVM's codegen hook `tvm_callback_cuda_postproc`.
 
 Chains to any hook registered earlier, then includes <cooperative_groups.h> where a kernel calls
-the grid barrier, and renames dynamic shared-memory arrays that two kernels of one source declare
-with different element types (nvcc rejects the clash)."""
+the grid barrier, renames dynamic shared-memory arrays that two kernels of one source declare
+with different element types (nvcc rejects the clash), and spells out 8-lane float32 vectors made
+from lanes (see float8_vectors)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,50 @@ def unique_dynamic_shared(code: str) -> str:
     return "".join(pieces)
 
 
+_MAKE_LONGS = "make_ulonglong4("
+FLOAT8 = "tvm_ext_make_float8"
+_FLOAT8_HELPER = f"""
+__device__ __forceinline__ ulonglong4 {FLOAT8}(float a, float b, float c, float d, float e, float f, float g,
+                                                 float h) {{
+  ulonglong4 v;
+  float2* lanes = (float2*)(&v);
+  lanes[0] = make_float2(a, b); lanes[1] = make_float2(c, d); lanes[2] = make_float2(e, f); lanes[3] = make_float2(g, h);
+  return v;
+}}
+"""
+
+
+def _arguments(code: str, start: int) -> tuple[int, int]:
+    """(top-level argument count, index after the closing parenthesis) of the call whose argument
+    list opens at `start` (just after its "(")."""
+    depth, count, i = 1, 1, start
+    while depth:
+        ch = code[i]
+        depth += (ch == "(") - (ch == ")")
+        count += ch == "," and depth == 1
+        i += 1
+    return count, i
+
+
+def float8_vectors(code: str) -> str:
+    """TVM 0.27's CUDA codegen holds 8 float32 lanes in a ulonglong4 (8 floats' bytes) but makes one
+    from lanes as make_ulonglong4(8 floats), which takes 4 integers: nvcc rejects it. Such calls become
+    tvm_ext_make_float8, which packs the 8 floats bit for bit (what the codegen's lane accesses,
+    ((float2*)(&v.x))->y and so on, then read)."""
+    found, i = [], code.find(_MAKE_LONGS)
+    while i >= 0:
+        count, end = _arguments(code, i + len(_MAKE_LONGS))
+        if count == 8:
+            found.append(i)
+        i = code.find(_MAKE_LONGS, end)
+    if not found:
+        return code
+    for i in reversed(found):
+        code = code[:i] + FLOAT8 + "(" + code[i + len(_MAKE_LONGS):]
+    at = max(0, code.find('extern "C" __global__'))  # before the first kernel (or its declaration)
+    return code[:at] + _FLOAT8_HELPER + code[at:]
+
+
 def register_source_hook() -> None:
     earlier = tvm_ffi.get_global_func("tvm_callback_cuda_postproc", allow_missing=True)
 
@@ -41,5 +86,6 @@ def register_source_hook() -> None:
         code = earlier(code, target) if earlier is not None else code
         return ours(code, target)
 
-    ours = fallback.guarded_hook(lambda code, _target: unique_dynamic_shared(with_header(code)), "CUDA source hook")
+    ours = fallback.guarded_hook(lambda code, _target: float8_vectors(unique_dynamic_shared(with_header(code))),
+                                 "CUDA source hook")
     tvm_ffi.register_global_func("tvm_callback_cuda_postproc", postproc, override=True)
