@@ -54,7 +54,7 @@ def default_knobs(pattern: ReducePattern, device: Device, few_rows: bool | None 
     if (not few_rows and staged >= REGISTER_ROW_BYTES and fits_registers(pattern, REGISTER_THREADS)
             and register_vector(pattern, vec) == vec):
         return {"strategy": NAME, "threads": REGISTER_THREADS, "vec": vec, "cache": REGISTERS}
-    return {"strategy": NAME, "threads": _by_occupancy(threads, pattern, device, staged), "vec": vector_lanes(pattern),
+    return {"strategy": NAME, "threads": _by_occupancy(threads, pattern, device, staged), "vec": vec,
             "cache": cache}
 
 
