@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .analysis import ROW, ReducePattern, const_int
 from .device import Device
-from .rows import (REGISTERS, cached_inputs, estimated_registers, fits_registers, let_bound, register_vector, row_bytes,
+from .rows import (REGISTERS, cache_choices, cached_inputs, estimated_registers, fits_registers, let_bound, register_vector, row_bytes,
                    schedule_rows, unaligned_vectors, vector_choices, vector_lanes, worth_caching)
 
 NAME = "block_row"
@@ -82,8 +82,7 @@ def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
     return [{"strategy": NAME, "threads": threads, "vec": vec, "cache": cache}
             for threads in (64, 128, 256, 512, 1024) if threads <= device.max_threads
             for vec in vector_choices(pattern)
-            for cache in (False, True, REGISTERS) if not cache or (fits_registers(pattern, threads) if cache == REGISTERS
-                                                                    else staged)]
+            for cache in cache_choices(pattern, threads, staged)]
 
 
 def apply(pattern: ReducePattern, device: Device, knobs: dict):

@@ -165,6 +165,12 @@ def fits_registers(pattern: ReducePattern, lanes: int) -> bool:
     return bool(size) and size <= lanes * REGISTER_BYTES
 
 
+def cache_choices(pattern: ReducePattern, lanes: int, shared_fits: bool) -> list:
+    """The `cache` values of a point with `lanes` lanes a row: not staged, staged in shared memory
+    where `shared_fits`, kept in registers where a lane's share fits them."""
+    return [False] + [True] * shared_fits + [REGISTERS] * fits_registers(pattern, lanes)
+
+
 def register_vector(pattern: ReducePattern, vec: int) -> int:
     """The vector the heuristic gives a lane for rows kept in registers: at most MAX_EPILOGUE_LANES
     where there is an epilogue. Measured while the epilogue stored a chunk of 8 halves 4 lanes at a
@@ -356,8 +362,8 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
         # softmax: docs/design.md#row-and-column-templates); a reduction that ends the chain (a row
         # sum) reads every chunk as a vector, as its reads are the kernel's only traffic.
         one_chunk = width == threads * reduce_vec
+        in_shared = [] if registers else staged_buffers
         for reduction, outer in reductions:
             ends = reduction.same_as(last.block_rv)
-            in_shared = [] if registers else staged_buffers
             _wide_reads(sch, reduction, outer, in_shared + (from_memory if one_chunk or ends else []))
     return sch

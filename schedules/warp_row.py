@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .analysis import ROW, ReducePattern, const_int
 from .device import Device
-from .rows import (REGISTERS, cached_inputs, fits_registers, let_bound, normalises, passes_over, register_vector,
+from .rows import (REGISTERS, cache_choices, cached_inputs, let_bound, normalises, passes_over, register_vector,
                    row_bytes, rows_dividing, schedule_rows, unaligned_vectors, vector_choices, vector_lanes,
                    worth_caching)
 
@@ -86,8 +86,7 @@ def knob_space(pattern: ReducePattern, device: Device) -> list[dict]:
             for rows in (1, 2, 4, 8, 16, 32) if device.warp <= group * rows <= device.max_threads
             and rows_dividing(pattern, rows) == rows
             for vec in vector_choices(pattern) if group * vec <= n
-            for cache in (False, True, REGISTERS) if not cache or (fits_registers(pattern, group) if cache == REGISTERS
-                                                                    else worth_caching(pattern, device, rows))]
+            for cache in cache_choices(pattern, group, worth_caching(pattern, device, rows))]
 
 
 def apply(pattern: ReducePattern, device: Device, knobs: dict):
