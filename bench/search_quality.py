@@ -22,13 +22,13 @@ import numpy as np
 
 from bench.measure_spaces import measured, table_tasks
 from bench.report import write_json_and_markdown
-from tvm_ext.search.cost_model import CostModel, logged_groups
+from tvm_ext.search.cost_model import CostModel, logged_groups, trainable
 from tvm_ext.search.features import candidate_features
 from tvm_ext.search.measure import Result
 from tvm_ext.search.scheduler import each_batch, tune
 from tvm_ext.search.strategy import TaskSearch
 from tvm_ext.records import read_records
-from tvm_ext.search.transfer import predict
+from tvm_ext.search.space import knob_space
 
 SEEDS, TRIALS = 10, 64
 
@@ -41,7 +41,9 @@ def _oracle(rows: list[dict]):
     table = {_key(r["knobs"]): r for r in rows}
 
     def measure(func, candidates, dims, on_result=None):
-        return [Result(k, table[_key(k)]["us"] or [], table[_key(k)]["error"]) for k in candidates]
+        # a point of today's space that an older table lacks counts as a failed trial
+        return [Result(k, table[_key(k)]["us"] or [], table[_key(k)]["error"]) if _key(k) in table
+                else Result(k, [], "not measured in the table") for k in candidates]
     return measure
 
 
@@ -56,12 +58,26 @@ def _curve(search: TaskSearch, best: float) -> list[float]:
     return curve + [curve[-1]] * (TRIALS - len(curve))  # a search that ran out of points stays where it ended
 
 
-def judge(table: dict, train_logs=()) -> dict:
+def _pick(model: CostModel, func, target, rows: list[dict], strategies=None) -> tuple[dict | None, float]:
+    """The point `model` ranks first among those of today's space that the table measured (it can
+    judge no other; a table older than a knob space lacks the newer points) and of `strategies`
+    where given (ModelDatabase ranks only its logs' templates), and its latency; (None, nan)
+    where no such point is left (ModelDatabase leaves the task to the heuristic)."""
+    space = {_key(p) for p in knob_space(func, target)}
+    good = [r for r in rows if r["error"] is None and _key(r["knobs"]) in space
+            and (strategies is None or r["knobs"].get("strategy") in strategies)]
+    if not good:
+        return None, float("nan")
+    best = int(np.argmax(model.score(candidate_features(func, [r["knobs"] for r in good], target))))
+    return good[best]["knobs"], min(good[best]["us"])
+
+
+def judge(table: dict, train_logs=(), transfer_only: bool = False) -> dict:
     target, tasks = table_tasks(table)
     out = {"cases": {}, "transfer": {}}
     with tempfile.TemporaryDirectory() as tmp:
         log = f"{tmp}/replay.json"
-        for cid, entry in table["cases"].items():
+        for cid, entry in ([] if transfer_only else table["cases"].items()):
             task, rows = tasks[cid], entry["points"]
             best = float(measured(entry)[1].min())
             curves = {name: [_curve(_search(task, target, rows, eps, seed, 10**6, log), best) for seed in range(SEEDS)]
@@ -79,17 +95,18 @@ def judge(table: dict, train_logs=()) -> dict:
                   f"(worst seed {out['cases'][cid]['ours_worst_at_64']:.3f}), random {out['cases'][cid]['random_at_64']:.3f}",
                   flush=True)
         public = [cid for cid, e in table["cases"].items() if not e.get("hidden")]
+        strategies = None
         if train_logs:
-            model = CostModel().fit(logged_groups([rec for path in train_logs for rec in read_records(path)]))
+            records = [rec for path in train_logs for rec in read_records(path)]
+            model = CostModel().fit(logged_groups(records))
+            strategies = {rec["knobs"].get("strategy") for rec in records if trainable(rec)}
         else:
             model = CostModel().fit([(candidate_features(tasks[other].func, points, target), us)
                                      for other in public for points, us in [measured(table["cases"][other])]])
         for cid, entry in table["cases"].items():
             if not entry.get("hidden"):
                 continue
-            pick = predict(model, tasks[cid].func, target)
-            rows = {_key(r["knobs"]): r for r in entry["points"]}
-            pick_us = min(rows[_key(pick)]["us"]) if rows[_key(pick)]["error"] is None else float("inf")
+            pick, pick_us = _pick(model, tasks[cid].func, target, entry["points"], strategies)
             tuned = float(np.mean([_search(tasks[cid], target, entry["points"], 0.25, s, 10**6, log).best_us
                                    for s in range(SEEDS)]))
             out["transfer"][cid] = {"pick": pick, "pick_us": pick_us, "tuned_64_us": tuned, "ratio": pick_us / tuned}
@@ -99,13 +116,15 @@ def judge(table: dict, train_logs=()) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = ["| case | points | exhaustive us | ours @64 (mean / worst of 10 seeds) | random @64 | early stop: trials, ratio |",
-             "|---|---|---|---|---|---|"]
-    for cid, r in result["cases"].items():
-        lines.append(f"| {cid}{' (hidden)' if r['hidden'] else ''} | {r['points']} | {r['exhaustive_us']:.1f} | "
-                     f"{r['ours_at_64']:.3f} / {r['ours_worst_at_64']:.3f} | {r['random_at_64']:.3f} | "
-                     f"{r['early_stop_trials']:.0f}, {r['early_stop_ratio']:.3f} |")
-    lines += ["", "| hidden case | 0-trial pick us | 64-trial us | ratio |", "|---|---|---|---|"]
+    lines = []
+    if result["cases"]:
+        lines += ["| case | points | exhaustive us | ours @64 (mean / worst of 10 seeds) | random @64 | early stop: trials, ratio |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {cid}{' (hidden)' if r['hidden'] else ''} | {r['points']} | {r['exhaustive_us']:.1f} | "
+                  f"{r['ours_at_64']:.3f} / {r['ours_worst_at_64']:.3f} | {r['random_at_64']:.3f} | "
+                  f"{r['early_stop_trials']:.0f}, {r['early_stop_ratio']:.3f} |" for cid, r in result["cases"].items()]
+        lines.append("")
+    lines += ["| hidden case | 0-trial pick us | 64-trial us | ratio |", "|---|---|---|---|"]
     lines += [f"| {cid} | {t['pick_us']:.1f} | {t['tuned_64_us']:.1f} | {t['ratio']:.3f} |"
               for cid, t in result["transfer"].items()]
     return "\n".join(lines)
@@ -143,11 +162,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="path prefix: writes .json, .md and .png")
     ap.add_argument("--train-logs", nargs="*", default=[], help="tuning logs the transfer model is trained on "
                     "(default: the table's public cases)")
+    ap.add_argument("--transfer-only", action="store_true", help="judge only the 0-trial picks of the hidden cases")
     args = ap.parse_args(argv)
     with open(args.table, encoding="utf-8") as f:
-        result = judge(json.load(f), args.train_logs)
+        result = judge(json.load(f), args.train_logs, args.transfer_only)
     write_json_and_markdown(args.out, result, markdown(result))
-    plot(result, args.out + ".png")
+    if result["cases"]:
+        plot(result, args.out + ".png")
     return 0
 
 

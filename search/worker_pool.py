@@ -10,7 +10,7 @@ import threading
 import time
 from collections import deque
 
-POLL_S = 0.01
+POLL_S = 0.005  # how long the tuner sleeps between looks at its workers (a runner idles up to this long)
 PARENT_POLL_S = 1.0  # how often a worker checks that the tuner that started it is alive
 START_S = 300.0  # seconds a spawned worker may take to import TVM before it is given up on
 WORKER_DID_NOT_START = "the measuring worker did not start"  # a failure of the machinery, not of the candidate:
@@ -146,15 +146,8 @@ class Pool:
         return not self.pending and not self.busy
 
     def poll(self) -> list:
-        """Start pending jobs on free workers; (job id, (status, value)) of each job that has ended."""
-        while self.pending and len(self.workers) < self.size and len(self.busy) == len(self.workers):
-            self.workers.append(self._fresh())
-        for worker in [w for w in self.workers if w not in self.busy]:
-            if not self.pending:
-                break
-            job_id, fn, args, timeout, _ = self._take(worker)
-            worker.submit(job_id, fn, args)
-            self.busy[worker] = timeout
+        """(job id, (status, value)) of each job that has ended; then pending jobs start on the free
+        workers, those just freed included (a runner waits for no second call between candidates)."""
         ended = []
         for worker, timeout in list(self.busy.items()):
             answer = worker.poll(timeout)
@@ -166,6 +159,14 @@ class Pool:
                 worker.close(kill=True)
                 self.workers[self.workers.index(worker)] = self._fresh()
                 self._forget(worker)
+        while self.pending and len(self.workers) < self.size and len(self.busy) == len(self.workers):
+            self.workers.append(self._fresh())
+        for worker in [w for w in self.workers if w not in self.busy]:
+            if not self.pending:
+                break
+            job_id, fn, args, timeout, _ = self._take(worker)
+            worker.submit(job_id, fn, args)
+            self.busy[worker] = timeout
         return ended
 
     def shrink(self) -> None:

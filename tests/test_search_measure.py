@@ -225,3 +225,25 @@ def test_a_free_runner_takes_a_task_it_ran_before_then_a_new_task_then_any():
     pool._forget(first)
     pool.submit("a5", None, (), 1.0, affinity="A")
     assert taken(second) == "a5" and pool.homes["A"] is second  # its runner gone: the task finds a new one
+
+
+def test_a_worker_that_finishes_takes_the_next_job_in_the_same_look():
+    """Pool.poll collects the ended jobs before it hands out pending ones: a runner that finishes a
+    candidate starts the next in the same call, not one poll interval later."""
+    from tvm_ext.search.worker_pool import Pool  # noqa: PLC0415
+
+    pool = Pool(1)
+    try:
+        for job in ("first", "second"):
+            pool.submit(job, math.factorial, (5,), 60.0)
+        ended, deadline = [], time.monotonic() + 60
+        while not ended and time.monotonic() < deadline:
+            ended = pool.poll()
+            time.sleep(0.001)
+        assert [job for job, _ in ended] == ["first"]
+        assert not pool.pending and [w.job for w in pool.busy] == ["second"]  # started in that same poll
+        while not pool.idle and time.monotonic() < deadline:
+            ended += pool.poll()
+    finally:
+        pool.close()
+    assert [(job, answer) for job, answer in ended] == [("first", ("ok", 120)), ("second", ("ok", 120))]
