@@ -17,8 +17,8 @@ from .contracts import WIDTH_IN_VECTORS
 UNROLL = 256
 # Epilogues compute in float32. TVM 0.27's CUDA codegen makes an 8-lane float32 vector from lanes
 # with a call nvcc rejects (tvm_ext.tir.source_hook.float8_vectors spells it out); rows kept in
-# registers store their chunks whole (up to 8 halves), staged rows at most 4 lanes at a time
-# (8 not measured there).
+# registers store their chunks whole (up to 8 halves), staged rows at most 4 lanes at a time (8:
+# within 1.3% on five 16-bit rows, 3.5-4% slower on two RMSNorms, h200-2026-11-29-sweep-8-lane-epilogues.log).
 MAX_EPILOGUE_LANES = 4
 # Shared memory a stage leaves to what TVM's cross-thread reductions and the driver declare beside it.
 STAGE_RESERVE = 4 * 1024
@@ -176,7 +176,9 @@ def register_vector(pattern: ReducePattern, vec: int) -> int:
     where there is an epilogue. Measured while the epilogue stored a chunk of 8 halves 4 lanes at a
     time (each store then covered half of every 16 bytes across a warp): LayerNorm 32768 x 768 f16
     in registers at 8 lanes 33.1 us, at 4 lanes 32.4; 49152 x 1024 58.0 against 53.5
-    (h200-2026-11-29-sweep-register-rows.log); whole 8-lane stores are not measured yet."""
+    (h200-2026-11-29-sweep-register-rows.log); with whole 8-lane stores, LayerNorm and softmax 49152 x
+    1024 f16 are within 1% of 4 lanes
+    (h200-2026-11-29-sweep-8-lane-epilogues.log)."""
     return min(vec, MAX_EPILOGUE_LANES) if pattern.epilogue is not None else vec
 
 

@@ -69,6 +69,34 @@ class CostModel:
         return cls(booster)
 
 
+COMMITTEE = 8  # members of a Committee
+
+
+class Committee:
+    """CostModels trained on the same groups, each with the rows of every group in another order;
+    their scores averaged. One model's first pick for a task no group measured swings with the
+    order of its training rows; the average of several does not (measured on the hidden shapes:
+    docs/performance.md, "Transfer to unseen shapes")."""
+
+    def __init__(self, size: int = COMMITTEE):
+        self.size, self.members = size, []
+
+    def fit(self, groups: list[tuple[np.ndarray, np.ndarray]]) -> "Committee":
+        self.members = [m for k in range(self.size) if (m := CostModel().fit(_reordered(groups, k))).booster is not None]
+        return self
+
+    def score(self, x: np.ndarray) -> np.ndarray:
+        return np.mean([m.score(x) for m in self.members], axis=0) if self.members else np.zeros(len(x), "float32")
+
+
+def _reordered(groups: list, seed: int) -> list:
+    """`groups` with each group's rows in the order of seed `seed` (0: as given)."""
+    if not seed:
+        return groups
+    rng = np.random.default_rng(seed)
+    return [(x[p], us[p]) for x, us in groups for p in [rng.permutation(len(us))]]
+
+
 def trainable(rec: dict) -> bool:
     """Whether a log record is a training example: a successful measurement whose features have
     this feature schema."""

@@ -14,16 +14,16 @@ from tvm.target import Target
 
 from tvm_ext.records import Database, numbered_records
 
-from .cost_model import CostModel, logged_groups, trainable
+from .cost_model import Committee, CostModel, logged_groups, trainable
 from .features import candidate_features
 from .space import knob_space
 
 
 class ModelDatabase(Database):
-    """Tuning logs plus a cost model trained on all of them (the shipped logs of tuning_logs/ pick
-    schedules for shapes none of them measured)."""
+    """Tuning logs plus a committee of cost models trained on all of them (the shipped logs of
+    tuning_logs/ pick schedules for shapes none of them measured)."""
 
-    model: CostModel
+    model: Committee
     strategies: frozenset  # the templates of its training records: it ranks only their points
 
     @classmethod
@@ -34,9 +34,9 @@ class ModelDatabase(Database):
                    for p in paths for n, rec in numbered_records(p)]
         label = ", ".join(map(os.fspath, paths))
         db = cls.from_records(label, records)
-        db.model = CostModel().fit(logged_groups([rec for _, rec in records]))
+        db.model = Committee().fit(logged_groups([rec for _, rec in records]))
         db.strategies = frozenset(rec["knobs"].get("strategy") for _, rec in records if trainable(rec))
-        if db.model.booster is None:
+        if not db.model.members:
             raise ValueError(f"tuning log(s) {label!r} have too few measurements to train a cost model")
         return db
 
@@ -44,7 +44,7 @@ class ModelDatabase(Database):
         return super().lookup(func, target) or predict(self.model, func, target, self.strategies)
 
 
-def predict(model: CostModel, func: tirx.PrimFunc, target: Target, strategies=None) -> dict | None:
+def predict(model: CostModel | Committee, func: tirx.PrimFunc, target: Target, strategies=None) -> dict | None:
     """The point of `func`'s space `model` ranks first, among those of `strategies` where given
     (None when no such point is in the space)."""
     points = [p for p in knob_space(func, target) if strategies is None or p["strategy"] in strategies]

@@ -52,3 +52,23 @@ def test_concurrent_saves_to_one_path_all_succeed_and_leave_one_whole_model(tmp_
     x = synthetic_task(rng)[0]
     np.testing.assert_array_equal(CostModel.load(path).score(x), model.score(x))
     assert [p.name for p in tmp_path.iterdir()] == ["shared.model.json"]  # no temporary file left behind
+
+
+def test_a_committee_averages_members_trained_on_reordered_rows(rng):
+    """Each member sees every group's rows in another order (the first as given); the committee's
+    score is their mean, and it ranks an unseen task like one model does."""
+    from tvm_ext.search.cost_model import Committee, _reordered  # noqa: PLC0415
+
+    train = [synthetic_task(rng, scale=s) for s in (1.0, 7.0, 40.0)]
+    assert _reordered(train, 0) is train
+    moved = _reordered(train, 3)
+    for (x, us), (mx, mus) in zip(train, moved):
+        assert not np.array_equal(mx, x)  # another order of the same rows
+        assert sorted(map(tuple, mx.tolist())) == sorted(map(tuple, x.tolist())) and sorted(mus) == sorted(us)
+        assert {tuple(r) + (u,) for r, u in zip(mx.tolist(), mus)} == {tuple(r) + (u,) for r, u in zip(x.tolist(), us)}
+    committee = Committee(4).fit(train)
+    x, us = synthetic_task(rng, scale=1000.0)
+    assert len(committee.members) == 4
+    np.testing.assert_allclose(committee.score(x), np.mean([m.score(x) for m in committee.members], axis=0), rtol=1e-6)
+    assert rank_correlation(committee.score(x), -us) > 0.7
+    assert not Committee().fit([]).members and not Committee().score(x).any()  # untrained: scores 0
