@@ -4,8 +4,9 @@
         --trials 32 --servers 1,2 --server-cpus 4 --out bench/results/NAME
 
 For each server count a tracker and that many servers are started on 127.0.0.1 (llvm servers each
-pinned to `--server-cpus` CPUs of their own, with as many TVM threads; the builders get the CPUs
-left after the most servers, the same in every run), the cases are tuned through them from an empty log, and the run's wall time and candidates
+pinned to `--server-cpus` CPUs of whole physical cores of their own, with as many TVM threads; the
+builders get the cores left after the most servers, the same in every run), the cases are tuned
+through them from an empty log, and the run's wall time and candidates
 per minute (first to last record) are written as NAME.json and NAME.md. Cases are OP:ROWSxCOLS:DTYPE
 (bench.suite's ops), CI-sized by default: a CPU candidate of a suite-sized case runs for a minute.
 """
@@ -35,6 +36,33 @@ def _per_minute(log: str) -> tuple[int, float, int]:
 CASES = "layer_norm:2048x1024:float32,softmax:4096x1000:float32,rms_norm:4096x768:float32,row_sum:8192x512:float32"
 
 
+def physical_cores(cpus: list[int], topology: str = "/sys/devices/system/cpu") -> list[list[int]]:
+    """`cpus` grouped by the physical core they run on (hyperthread siblings together, in order of
+    their first CPU); each CPU its own group where the topology cannot be read."""
+    cores: dict = {}
+    for cpu in cpus:
+        try:
+            with open(f"{topology}/cpu{cpu}/topology/thread_siblings_list", encoding="utf-8") as f:
+                core = f.read().strip()
+        except OSError:
+            core = str(cpu)
+        cores.setdefault(core, []).append(cpu)
+    return list(cores.values())
+
+
+def pin(cpus: list[int], servers: int, per_server: int, topology: str = "/sys/devices/system/cpu") -> tuple[list, list]:
+    """([CPUs of each server], builders' CPUs): each server takes whole physical cores until it has
+    `per_server` CPUs, so that no two servers, nor a server and a builder, share a core (siblings
+    share its pipelines and caches: one server's timings would feel the other's work)."""
+    cores, pinned = physical_cores(cpus, topology), []
+    for _ in range(servers):
+        mine = []
+        while cores and len(mine) < per_server:
+            mine += cores.pop(0)
+        pinned.append(mine)
+    return pinned, [cpu for core in cores for cpu in core]
+
+
 def module(case: str):
     """The Relax module of OP:ROWSxCOLS:DTYPE."""
     op, shape, dtype = case.split(":")
@@ -45,9 +73,10 @@ def run(cases: list, target: str, trials: int, counts: list[int], server_cpus: i
     mods = [module(case) for case in cases]
     cpus = sorted(os.sched_getaffinity(0))
     rows = []
+    layout, free = pin(cpus, max(counts), server_cpus)
     for count in counts:
-        pinned = [cpus[i * server_cpus:(i + 1) * server_cpus] for i in range(count)] if target == "llvm" else None
-        builder_cpus = cpus[max(counts) * server_cpus:] if pinned else cpus  # the same builders in every run
+        pinned = layout[:count] if target == "llvm" else None
+        builder_cpus = free if pinned else cpus  # the same builders in every run
         env = {"TVM_NUM_THREADS": str(server_cpus)} if pinned else None
         with tempfile.TemporaryDirectory() as tmp, local_cluster(count, f"bench{count}", env=env, cpus=pinned) as (tracker, _):
             log = os.path.join(tmp, "log.json")
@@ -60,7 +89,8 @@ def run(cases: list, target: str, trials: int, counts: list[int], server_cpus: i
             wall = time.monotonic() - started
             records, per_minute, errors = _per_minute(log)
         rows.append({"servers": count, "wall_s": wall, "records": records, "errors": errors, "per_minute": per_minute,
-                     "builders": len(builder_cpus), "server_cpus": server_cpus if pinned else None})
+                     "builders": len(builder_cpus), "server_cpus": server_cpus if pinned else None,
+                     "pinned": pinned, "builder_cpu_list": builder_cpus})
         print(rows[-1], flush=True)
     return {"cases": cases, "target": target, "trials": trials, "rows": rows}
 
@@ -73,6 +103,9 @@ def markdown(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['servers']} | {r['wall_s']:.1f} | {r['records']} | {r['errors']} | {r['per_minute']:.1f} | "
               f"{r['per_minute'] / one:.2f}x | {r['builders']} | {r['server_cpus'] or '-'} |" for r in result["rows"]]
+    last = result["rows"][-1]
+    if last.get("pinned"):
+        lines += ["", f"Servers on CPUs {last['pinned']} (whole cores), builders on {last['builder_cpu_list']}."]
     return "\n".join(lines)
 
 
@@ -86,8 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="path prefix: writes .json and .md")
     args = ap.parse_args(argv)
     counts = [int(c) for c in args.servers.split(",")]
-    if args.target == "llvm" and max(counts) * args.server_cpus >= len(os.sched_getaffinity(0)):
-        ap.error(f"{max(counts)} servers of {args.server_cpus} CPUs leave no CPU to the builders")
+    if args.target == "llvm" and not pin(sorted(os.sched_getaffinity(0)), max(counts), args.server_cpus)[1]:
+        ap.error(f"{max(counts)} servers of {args.server_cpus} CPUs (whole cores) leave no CPU to the builders")
     result = run(args.cases.split(","), args.target, args.trials, counts, args.server_cpus)
     write_json_and_markdown(args.out, result, markdown(result))
     return 0

@@ -5,11 +5,12 @@
 For each case the tuner (model-guided, epsilon 0.25, batches of 8) and random search are replayed
 over the measured points, 10 seeds each, and compared with the exhaustive best: best-so-far after
 each trial (the curves, plotted), the ratio at 64 trials, and the trials the tuner's early stop
-uses. Transfer: a model trained on the public cases' measurements (or, with `--train-logs`, on
-tuning logs such as the shipped `tuning_logs/*.json`, as `ModelDatabase` trains it) picks, with 0
-trials, a point for each hidden shape; that point's latency is compared with what 64 trials find.
+uses. Transfer: a model trained on the public cases' measurements (or, with `--train-logs`, a
+committee of `--members` models trained on tuning logs such as the shipped `tuning_logs/*.json`,
+as `ModelDatabase` trains it) picks, with 0 trials, a point for each hidden shape among those the
+table measured; that point's latency is compared with what 64 trials find.
 
-    python -m bench.search_quality --table T.json --out NAME --train-logs tuning_logs/h200-*.json
+    python -m bench.search_quality --table T.json --out NAME --train-logs tuning_logs/h200-*.json [--transfer-only]
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 
 from bench.measure_spaces import measured, table_tasks
 from bench.report import write_json_and_markdown
-from tvm_ext.search.cost_model import CostModel, logged_groups, trainable
+from tvm_ext.search.cost_model import COMMITTEE, Committee, CostModel, logged_groups, trainable
 from tvm_ext.search.features import candidate_features
 from tvm_ext.search.measure import Result
 from tvm_ext.search.scheduler import each_batch, tune
@@ -58,7 +59,7 @@ def _curve(search: TaskSearch, best: float) -> list[float]:
     return curve + [curve[-1]] * (TRIALS - len(curve))  # a search that ran out of points stays where it ended
 
 
-def _pick(model: CostModel, func, target, rows: list[dict], strategies=None) -> tuple[dict | None, float]:
+def _pick(model: CostModel | Committee, func, target, rows: list[dict], strategies=None) -> tuple[dict | None, float]:
     """The point `model` ranks first among those of today's space that the table measured (it can
     judge no other; a table older than a knob space lacks the newer points) and of `strategies`
     where given (ModelDatabase ranks only its logs' templates), and its latency; (None, nan)
@@ -72,7 +73,7 @@ def _pick(model: CostModel, func, target, rows: list[dict], strategies=None) -> 
     return good[best]["knobs"], min(good[best]["us"])
 
 
-def judge(table: dict, train_logs=(), transfer_only: bool = False) -> dict:
+def judge(table: dict, train_logs=(), transfer_only: bool = False, members: int = COMMITTEE) -> dict:
     target, tasks = table_tasks(table)
     out = {"cases": {}, "transfer": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -98,7 +99,7 @@ def judge(table: dict, train_logs=(), transfer_only: bool = False) -> dict:
         strategies = None
         if train_logs:
             records = [rec for path in train_logs for rec in read_records(path)]
-            model = CostModel().fit(logged_groups(records))
+            model = Committee(members).fit(logged_groups(records))  # as ModelDatabase trains it
             strategies = {rec["knobs"].get("strategy") for rec in records if trainable(rec)}
         else:
             model = CostModel().fit([(candidate_features(tasks[other].func, points, target), us)
@@ -163,9 +164,10 @@ def main(argv=None) -> int:
     ap.add_argument("--train-logs", nargs="*", default=[], help="tuning logs the transfer model is trained on "
                     "(default: the table's public cases)")
     ap.add_argument("--transfer-only", action="store_true", help="judge only the 0-trial picks of the hidden cases")
+    ap.add_argument("--members", type=int, default=COMMITTEE, help="cost models of the committee trained on --train-logs")
     args = ap.parse_args(argv)
     with open(args.table, encoding="utf-8") as f:
-        result = judge(json.load(f), args.train_logs, args.transfer_only)
+        result = judge(json.load(f), args.train_logs, args.transfer_only, args.members)
     write_json_and_markdown(args.out, result, markdown(result))
     if result["cases"]:
         plot(result, args.out + ".png")

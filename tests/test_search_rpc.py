@@ -188,3 +188,16 @@ def test_seeded_inputs_are_made_on_the_server_bit_for_bit(tmp_path, dtype):
     inputs, _, _ = on_server(Expected(local, input_seeds(func), [], []), session, device, TARGET, str(tmp_path))
     for made, want in zip(inputs, arrays):
         assert made.dtype == str(want.dtype) and np.array_equal(made.numpy().view(np.uint8), want.view(np.uint8))
+
+
+def test_the_throughput_bench_gives_each_server_whole_cores_of_its_own(tmp_path):
+    """bench.rpc_throughput pins each llvm server to whole physical cores (hyperthread siblings
+    together), so that no two servers, nor a server and a builder, share a core."""
+    from bench.rpc_throughput import pin  # noqa: PLC0415
+
+    for cpu in range(8):  # 4 cores of 2 threads, siblings numbered cpu and cpu + 4
+        (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(f"{cpu % 4},{cpu % 4 + 4}\n")
+    assert pin(list(range(8)), 2, 2, str(tmp_path)) == ([[0, 4], [1, 5]], [2, 6, 3, 7])
+    assert pin(list(range(8)), 1, 3, str(tmp_path)) == ([[0, 4, 1, 5]], [2, 6, 3, 7])  # whole cores: 4 CPUs
+    assert pin([0, 1, 2], 1, 1, str(tmp_path / "none")) == ([[0]], [1, 2])  # no topology: a CPU a core
