@@ -57,6 +57,10 @@ class Measurer:
         self.runners = Pool(free_servers(*rpc) if rpc is not None else 1, spare=True)
         self.scratch = tempfile.TemporaryDirectory(prefix="tvm_ext_measure_")
         self.seconds = {"measure": 0.0, "run": 0.0}  # wall time measuring, and of it the runner's busy time
+        # submitted batches by token; homes of references being made; built candidates waiting for
+        # theirs; each running candidate's runner arguments; retries of candidates that found servers busy
+        self._batches, self._tokens, self._referencing, self._built, self._jobs, self._busy = {}, 0, set(), [], {}, {}
+        self._last = 0.0  # the previous poll (or the first submit) while candidates are in flight
         self.runners.warm()
         self.builders.warm()
 
@@ -65,65 +69,97 @@ class Measurer:
         return self.measure_round([(func, candidates, dims, on_result)])[0]
 
     def measure_round(self, batches: list[tuple]) -> list[list[Result]]:
-        """Several tasks' batches at once, [(func, candidates, dims, on_result)]: the builders take
-        every candidate of the round and the runners each as it is built, so that runners (RPC
-        servers) do not wait for one task's builds at the end of each batch. One list of Results per
-        batch, in order; `on_result(i, result)` of a batch is called as its candidate i finishes."""
-        tasks = [(tvm.ir.save_json(func), dict(dims or {})) for func, _, dims, _ in batches]
-        started, libs = time.monotonic(), []
-        # first: the runners start on a task once its reference is there, so it never counts
-        # against a candidate's timeout (the reference of a large layer takes longer than a build)
-        # a task's runs go to the runner that ran it before where they can (an RPC server keeps the
-        # task's tensors); its reference's file names the task
-        homes = [reference_path(func_json, dims, self.scratch.name) for func_json, dims in tasks]
-        referencing = {b for b, home in enumerate(homes) if not os.path.exists(home)}
-        for b in sorted(referencing):
-            self.builders.submit((REFERENCE, b), prepare_reference, (*tasks[b], self.scratch.name),
-                                 max(self.timeout, REFERENCE_TIMEOUT_S))
-        for b, (_, candidates, _, _) in enumerate(batches):
-            for i, knobs in enumerate(candidates):
-                self.builders.submit((b, i), self.builder, (tasks[b][0], self.target_json, knobs, self.scratch.name),
-                                     self.timeout)
-        outcome, built, jobs, last, busy = {}, [], {}, started, {}
-        while not (self.builders.idle and self.runners.idle and not built):
-            finished = []
-            for job, answer in self.builders.poll():
-                if job[0] == REFERENCE:  # if it failed, the runner computes the reference itself
-                    referencing.discard(job[1])
-                elif answer[0] == "ok":
-                    built.append((job, answer[1]))
-                else:
-                    finished.append((job, answer))
-            if self.overlap or self.builders.idle:  # a GPU candidate runs while others build
-                ready = [(job, lib) for job, lib in built if job[0] not in referencing]
-                for job, (lib, zeroed) in ready:
-                    libs.append(lib)
-                    func_json, dims = tasks[job[0]]
-                    jobs[job] = (func_json, self.target_json, dims, self.scratch.name, lib, zeroed, *self.remote)
-                    self.runners.submit(job, self.runner, jobs[job], self.timeout, affinity=homes[job[0]])
-                built = [(job, lib) for job, lib in built if job[0] in referencing]
-            running = not self.runners.idle
-            for job, answer in finished + self.runners.poll():
-                if answer[0] != "ok" and answer[1].startswith(ServerBusyError.__name__) \
-                        and busy.get(job, 0) < BUSY_RETRIES:  # the servers are alive: the candidate waits its turn
-                    busy[job] = busy.get(job, 0) + 1
-                    self.runners.submit(job, self.runner, jobs[job], self.timeout, affinity=homes[job[0]])
-                    continue
-                if self._server_gone(answer):  # not the candidate's failure: it goes to another runner
-                    self.runners.submit(job, self.runner, jobs[job], self.timeout, affinity=homes[job[0]])
-                    continue
-                outcome[job] = answer
-                b, i = job
-                if batches[b][3] is not None:
-                    batches[b][3](i, _result(batches[b][1][i], answer))
+        """Several tasks' batches at once, [(func, candidates, dims, on_result)]: one list of
+        Results per batch, in order (submit each, poll until all are done)."""
+        tokens = [self.submit(*batch) for batch in batches]
+        done: dict = {}
+        while len(done) < len(tokens):
+            done.update(self.poll())
             time.sleep(POLL_S)
-            now = time.monotonic()
-            self.seconds["run"] += (now - last) if running else 0.0
-            last = now
-        for lib in libs:
-            os.unlink(lib)
-        self.seconds["measure"] += time.monotonic() - started
-        return [[_result(knobs, outcome[(b, i)]) for i, knobs in enumerate(batch[1])] for b, batch in enumerate(batches)]
+        return [done[token] for token in tokens]
+
+    def submit(self, func, candidates: list[dict], dims: dict | None = None, on_result=None) -> int:
+        """Queue one task's batch; a token that poll() returns with its Results once all are done.
+
+        The builders take its candidates now, behind those queued before, and the task's reference
+        first where no earlier batch made it (so it never counts against a candidate's timeout: a
+        large layer's reference takes longer than a build); each candidate runs as soon as it is
+        built and its task's reference is there, on the runner that ran the task before where it
+        can (an RPC server keeps the task's tensors). `on_result(i, result)` as candidate i finishes."""
+        task = (tvm.ir.save_json(func), dict(dims or {}))
+        home = reference_path(*task, self.scratch.name)  # the reference's file names the task
+        if not os.path.exists(home) and home not in self._referencing:
+            self._referencing.add(home)
+            self.builders.submit((REFERENCE, home), prepare_reference, (*task, self.scratch.name),
+                                 max(self.timeout, REFERENCE_TIMEOUT_S))
+        token = self._tokens = self._tokens + 1
+        self._last = self._last or time.monotonic()  # measuring from the first batch in flight
+        self._batches[token] = {"task": task, "home": home, "candidates": list(candidates), "on_result": on_result,
+                                "results": [None] * len(candidates), "left": len(candidates)}
+        for i, knobs in enumerate(candidates):
+            self.builders.submit((token, i), self.builder, (task[0], self.target_json, knobs, self.scratch.name),
+                                 self.timeout)
+        return token
+
+    @property
+    def in_flight(self) -> int:
+        """Candidates submitted and not finished."""
+        return sum(batch["left"] for batch in self._batches.values())
+
+    def poll(self) -> list[tuple[int, list[Result]]]:
+        """Start what can start, collect what ended: (token, Results) of each batch now complete."""
+        finished = []
+        for job, answer in self.builders.poll():
+            if job[0] == REFERENCE:  # if it failed, the runner computes the reference itself
+                self._referencing.discard(job[1])
+            elif answer[0] == "ok":
+                self._built.append((job, answer[1]))
+            else:
+                finished.append((job, answer))
+        if self.overlap or self.builders.idle:  # a GPU candidate runs while others build
+            waiting = []
+            for job, (lib, zeroed) in self._built:
+                batch = self._batches[job[0]]
+                if batch["home"] in self._referencing:
+                    waiting.append((job, (lib, zeroed)))
+                    continue
+                func_json, dims = batch["task"]
+                self._jobs[job] = (func_json, self.target_json, dims, self.scratch.name, lib, zeroed, *self.remote)
+                self.runners.submit(job, self.runner, self._jobs[job], self.timeout, affinity=batch["home"])
+            self._built = waiting
+        running = not self.runners.idle
+        for job, answer in finished + self.runners.poll():
+            if answer[0] != "ok" and answer[1].startswith(ServerBusyError.__name__) \
+                    and self._busy.get(job, 0) < BUSY_RETRIES:  # the servers are alive: the candidate waits its turn
+                self._busy[job] = self._busy.get(job, 0) + 1
+                self.runners.submit(job, self.runner, self._jobs[job], self.timeout, affinity=self._batches[job[0]]["home"])
+                continue
+            if self._server_gone(answer):  # not the candidate's failure: it goes to another runner
+                self.runners.submit(job, self.runner, self._jobs[job], self.timeout, affinity=self._batches[job[0]]["home"])
+                continue
+            self._finish(job, answer)
+        now = time.monotonic()
+        if self._last:
+            self.seconds["measure"] += now - self._last
+            self.seconds["run"] += (now - self._last) if running else 0.0
+        self._last = now if self.in_flight else 0.0
+        done = [(token, batch["results"]) for token, batch in self._batches.items() if not batch["left"]]
+        for token, _ in done:
+            del self._batches[token]
+        return done
+
+    def _finish(self, job: tuple, answer: tuple) -> None:
+        """Record candidate `job`'s outcome; its library is no longer needed."""
+        token, i = job
+        batch = self._batches[token]
+        result = batch["results"][i] = _result(batch["candidates"][i], answer)
+        batch["left"] -= 1
+        self._busy.pop(job, None)
+        args = self._jobs.pop(job, None)
+        if args is not None and os.path.exists(args[4]):
+            os.unlink(args[4])
+        if batch["on_result"] is not None:
+            batch["on_result"](i, result)
 
     def _server_gone(self, answer: tuple) -> bool:
         """Whether a runner's `answer` says its server is gone; the pool then runs one runner fewer."""

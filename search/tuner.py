@@ -105,7 +105,7 @@ def tune_model(mod, target, trials: int, log: str, resume: bool = False, warm_st
                            batch=batch, patience=patience, seed=seed) for task in tasks]
     spent = sum(len(s.measured) for s in searches)
     with Measurer(target, builders=builders, timeout=timeout, rpc=rpc) as measurer:
-        tune(searches, measurer.measure_round, max(0, trials - spent), prior, progress, runners=measurer.runners.size)
+        tune(searches, measurer, max(0, trials - spent), prior, progress, runners=measurer.runners.size)
         copy = measurer.copy_gbps()
         logger.info("measurement: %.1f s, of which the runner checked and timed for %.1f s",
                     measurer.seconds["measure"], measurer.seconds["run"])

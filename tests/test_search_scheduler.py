@@ -151,3 +151,42 @@ def test_a_round_takes_round_candidates_for_each_runner_and_finished_tasks_are_n
     small.retrain = lambda groups: fits.append(len(groups))
     tune([small], each_batch(oracle({small.task.func: small})), trials=200, progress=False)
     assert small.done and len(fits) == 1  # the fit before its only batch, none after it exhausted its space
+
+
+def test_batches_stream_a_task_goes_again_as_soon_as_its_batch_ends(tmp_path):
+    """With a streaming measurer (submit/poll, as Measurer) the scheduler keeps ROUND candidates a
+    runner in flight and submits a task's next batch when its last one ends, while the others are
+    still in flight; a task never has two batches in flight."""
+    from tvm_ext.search.scheduler import ROUND  # noqa: PLC0415
+
+    tasks = [task("softmax", [4096, n]) for n in (256, 512, 1024, 2048, 4096, 8192)]
+    searches = [TaskSearch(t, TARGET, str(tmp_path / "stream.json"), budget=64, batch=8, patience=99) for t in tasks]
+    measure_one = oracle({s.task.func: s for s in searches})
+
+    class Streaming:
+        """Ends one batch a poll, the oldest first."""
+        def __init__(self):
+            self.flying, self.tokens, self.peak, self.events = {}, 0, 0, []
+
+        def submit(self, func, candidates, dims=None, on_result=None):
+            assert func not in [f for f, _ in self.flying.values()], "two batches of one task in flight"
+            self.tokens += 1
+            self.flying[self.tokens] = (func, candidates)
+            self.peak = max(self.peak, sum(len(c) for _, c in self.flying.values()))
+            self.events.append(("submit", func))
+            return self.tokens
+
+        def poll(self):
+            token = min(self.flying)
+            func, candidates = self.flying.pop(token)
+            self.events.append(("end", func))
+            return [(token, measure_one(func, candidates, {}))]
+
+    streaming = Streaming()
+    tune(searches, streaming, trials=96, progress=False)
+    assert sum(len(s.measured) for s in searches) == 96
+    assert streaming.peak == ROUND  # three batches of 8 in flight, never more
+    first_end = streaming.events.index(("end", tasks[0].func))
+    # the next submission follows the first batch's end at once, with two batches still in flight
+    assert streaming.events[first_end + 1][0] == "submit"
+    assert len([e for e in streaming.events[:first_end + 2] if e[0] == "submit"]) == 4
