@@ -77,10 +77,17 @@ def features(pattern: ReducePattern, knobs: dict, device: Device) -> np.ndarray:
     return np.asarray(values, dtype="float32")
 
 
+def _extents(block) -> tuple[list[int], bool]:
+    """A contraction block's loop extents, NOMINAL for a symbolic one (a row count: one build for
+    any sequence length), and whether one was."""
+    extents = [const_int(iv.dom.extent) for iv in block.iter_vars]
+    return [NOMINAL if e is None else e for e in extents], None in extents
+
+
 def matmul_features(block, knobs: dict, epilogue: bool, device: Device) -> np.ndarray:
     """The same quantities for a tensor-core matmul candidate: each output is a row of K products
     reduced; its rows are the outputs (batch * M * N); the stage is the shared-memory operand tiles."""
-    *batch, m, n, k = (int(iv.dom.extent) for iv in block.iter_vars)
+    (*batch, m, n, k), symbolic = _extents(block)
     item = matmul.operand_itemsize(block)
     bm, bn, bk, stages = (int(knobs[x]) for x in ("block_m", "block_n", "block_k", "stages"))
     outputs, threads = math.prod(batch) * m * n, bm // int(knobs["warp_m"]) * int(knobs["warp_n"]) * WARP
@@ -93,7 +100,7 @@ def matmul_features(block, knobs: dict, epilogue: bool, device: Device) -> np.nd
     waves = blocks / slots
     values = [0.0] * len(STRATEGIES) + [1.0, 0.0] + [
         math.log2(k), math.log2(outputs), math.log2(math.prod(batch) * (m * k + k * n) * item + outputs * 4), 1,
-        float(epilogue), 0.0, threads, math.log2(blocks), waves, blocks / (math.ceil(waves) * slots),
+        float(epilogue), float(symbolic), threads, math.log2(blocks), waves, blocks / (math.ceil(waves) * slots),
         threads * resident / device.threads_per_sm, math.log2(bm * bn * 4 / threads), int(knobs["vec"]) * item,
         1.0, smem, 0.0, math.log2(bk), stages, math.log2(warp_tile), 0.0]
     return np.asarray(values, dtype="float32")
@@ -102,7 +109,7 @@ def matmul_features(block, knobs: dict, epilogue: bool, device: Device) -> np.nd
 def wgmma_features(block, knobs: dict, epilogue: bool, device: Device) -> np.ndarray:
     """The same quantities for a wgmma matmul candidate (columns of the thread-level template's):
     a warpgroup per 64 rows, 64 of k per stage, a warp's tile 16 rows by block_n."""
-    *batch, m, n, k = (int(iv.dom.extent) for iv in block.iter_vars)
+    (*batch, m, n, k), symbolic = _extents(block)
     bm, bn, stages = (int(knobs[x]) for x in ("block_m", "block_n", "stages"))
     outputs = math.prod(batch) * m * n
     threads = wgmma_matmul.block_threads(bm, bool(knobs.get("tma", 0)))
@@ -113,7 +120,7 @@ def wgmma_features(block, knobs: dict, epilogue: bool, device: Device) -> np.nda
     waves = blocks / slots
     values = [0.0] * len(STRATEGIES) + [1.0, 0.0] + [
         math.log2(k), math.log2(outputs), math.log2(math.prod(batch) * (m * k + k * n) * 2 + outputs * 4), 1,
-        float(epilogue), 0.0, threads, math.log2(blocks), waves, blocks / (math.ceil(waves) * slots),
+        float(epilogue), float(symbolic), threads, math.log2(blocks), waves, blocks / (math.ceil(waves) * slots),
         threads * resident / device.threads_per_sm, math.log2(bm * bn * 4 / threads), 16,
         1.0, smem, 0.0, math.log2(wgmma_matmul.K_TILE), stages, math.log2(16 * bn), float(knobs.get("tma", 0))]
     return np.asarray(values, dtype="float32")
@@ -124,7 +131,7 @@ def conv2d_features(block, knobs: dict, epilogue: bool, device: Device) -> np.nd
     products; the stage is a step's input window and weights; lanes per row, the threads along a
     row of pixels, each writing `xi` adjacent outputs; the pipeline stages, the virtual threads;
     the warp tile, a thread's channels x rows times a warp."""
-    n, f, y, x, c, r, s = (int(iv.dom.extent) for iv in block.iter_vars)
+    (n, f, y, x, c, r, s), symbolic = _extents(block)
     item = tvm.DataType(str(block.writes[0].source.dtype)).bits // 8
     k = {name: int(value) for name, value in knobs.items() if name != "strategy"}
     tile = conv2d.block_tile(knobs)
@@ -136,7 +143,7 @@ def conv2d_features(block, knobs: dict, epilogue: bool, device: Device) -> np.nd
     waves = blocks / slots
     values = [0.0] * len(STRATEGIES) + [0.0, 1.0] + [
         math.log2(c * r * s), math.log2(n * f * y * x), math.log2((n * c * y * x + f * c * r * s + n * f * y * x) * item),
-        1, float(epilogue), 0.0, threads, math.log2(blocks), waves, blocks / (math.ceil(waves) * slots),
+        1, float(epilogue), float(symbolic), threads, math.log2(blocks), waves, blocks / (math.ceil(waves) * slots),
         threads * resident / device.threads_per_sm, math.log2(per_thread), k["xi"] * item, 1.0, smem,
         math.log2(k["tx"]), math.log2(k["rc"]), k["vf"] * k["vy"] * k["vx"], math.log2(k["fi"] * k["yi"] * 32), 0.0]
     return np.asarray(values, dtype="float32")

@@ -117,3 +117,21 @@ def test_every_row_class_matches_numpy_on_gpu(n, k, dtype, rng):
         want = x.astype("float32") @ weight.astype("float32").T + r.astype("float32")
         tolerance = 1e-2 if dtype == "float16" else 6e-2
         np.testing.assert_allclose(got, want, atol=tolerance * np.abs(want).max(), rtol=0, err_msg=f"{m} rows")
+
+
+@pytest.mark.parametrize("arch, strategy", [("sm_90a", "wgmma_matmul"), ("sm_80", "matmul")])
+def test_a_symbolic_row_matmul_is_a_task_the_tuner_can_start(arch, strategy, tmp_path):
+    """Its candidates' features take NOMINAL rows for the symbolic count and say it is symbolic
+    (int() of the row Var used to raise as the tuner started); every point is one the build takes."""
+    from tvm_ext.schedules.dispatch import knobs_problem  # noqa: PLC0415
+    from tvm_ext.search.features import NAMES  # noqa: PLC0415
+    from tvm_ext.search.strategy import TaskSearch  # noqa: PLC0415
+    from tvm_ext.search.tasks import extract_tasks  # noqa: PLC0415
+
+    target = tvm_ext.parse_target({"tag": "nvidia/nvidia-h100", "arch": arch})
+    (task,) = extract_tasks(linear(4096, 4096, "float16")[0], target)
+    search = TaskSearch(task, target, str(tmp_path / "log.json"), 8)
+    assert {p["strategy"] for p in search.points} == {strategy}
+    assert np.isfinite(search.x).all() and (search.x[:, NAMES.index("symbolic")] == 1).all()
+    assert (search.x[:, NAMES.index("log2_k_per_step")] > 0).all()
+    assert all(knobs_problem(task.func, target, p) is None for p in search.points)
