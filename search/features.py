@@ -57,8 +57,9 @@ def features(pattern: ReducePattern, knobs: dict, device: Device) -> np.ndarray:
     inputs = pattern.input_buffers()
     element_bytes = sum(pattern.dtype_bytes(b) for b in inputs) or 4
     threads, blocks, lanes, rows_per_block = _launch(knobs, rows, device)
-    staged = bool(knobs.get("cache")) and bool(cached_inputs(pattern))
-    staged_bytes = (row_bytes(pattern, cached_inputs(pattern)) or 0) * rows_per_block if staged else 0
+    cached = cached_inputs(pattern)
+    staged = bool(knobs.get("cache")) and bool(cached)
+    staged_bytes = (row_bytes(pattern, cached) or 0) * rows_per_block if staged else 0
     registers = estimated_registers(pattern)
     if knobs.get("cache") == REGISTERS:  # a lane's share in its registers, none in shared memory
         registers, staged_bytes = registers + staged_bytes // (4 * threads), 0

@@ -125,17 +125,17 @@ class Measurer:
                     continue
                 func_json, dims = batch["task"]
                 self._jobs[job] = (func_json, self.target_json, dims, self.scratch.name, lib, zeroed, *self.remote)
-                self.runners.submit(job, self.runner, self._jobs[job], self.timeout, affinity=batch["home"])
+                self._run(job)
             self._built = waiting
         running = not self.runners.idle
         for job, answer in finished + self.runners.poll():
             if answer[0] != "ok" and answer[1].startswith(ServerBusyError.__name__) \
                     and self._busy.get(job, 0) < BUSY_RETRIES:  # the servers are alive: the candidate waits its turn
                 self._busy[job] = self._busy.get(job, 0) + 1
-                self.runners.submit(job, self.runner, self._jobs[job], self.timeout, affinity=self._batches[job[0]]["home"])
+                self._run(job)
                 continue
             if self._server_gone(answer):  # not the candidate's failure: it goes to another runner
-                self.runners.submit(job, self.runner, self._jobs[job], self.timeout, affinity=self._batches[job[0]]["home"])
+                self._run(job)
                 continue
             self._finish(job, answer)
         now = time.monotonic()
@@ -147,6 +147,10 @@ class Measurer:
         for token, _ in done:
             del self._batches[token]
         return done
+
+    def _run(self, job: tuple) -> None:
+        """Hand built candidate `job` to the runners, its task's runner first (Pool affinity)."""
+        self.runners.submit(job, self.runner, self._jobs[job], self.timeout, affinity=self._batches[job[0]]["home"])
 
     def _finish(self, job: tuple, answer: tuple) -> None:
         """Record candidate `job`'s outcome; its library is no longer needed."""
