@@ -18,6 +18,7 @@ import json
 import os
 import tempfile
 import time
+from datetime import datetime
 
 from bench.report import write_json_and_markdown
 from bench.suite import relax_module
@@ -28,8 +29,8 @@ from tvm_ext.search.tuner import tune_model
 def _per_minute(log: str) -> tuple[int, float, int]:
     """(records, candidates per minute from the first record to the last, errors) of a log."""
     lines = [json.loads(line) for line in open(log, encoding="utf-8") if line.strip()]
-    stamps = sorted(time.mktime(time.strptime(line["time"], "%Y-%m-%dT%H:%M:%SZ")) for line in lines)
-    span = max(1.0, stamps[-1] - stamps[0]) if stamps else 1.0
+    stamps = sorted(datetime.fromisoformat(line["time"]).timestamp() for line in lines)
+    span = max(1e-3, stamps[-1] - stamps[0]) if stamps else 1.0
     return len(lines), 60.0 * (len(lines) - 1) / span if lines else 0.0, sum(line.get("error") is not None for line in lines)
 
 

@@ -24,10 +24,13 @@ def free_port() -> int:
 
 def start(*args, env: dict | None = None, cpus: list[int] | None = None) -> subprocess.Popen:
     """`python -m ARGS` in its own process group (a server forks a child per connection), on `cpus`
-    where given, with `env` added to the environment."""
+    where given, with `env` added to the environment. A pinned process's TVM thread pool is told
+    not to bind its threads (TVM_BIND_THREADS=0): it would bind them to the machine's first CPUs,
+    whatever the process's CPU set, so two pinned servers would run on the same cores."""
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    env = {**os.environ, **({"TVM_BIND_THREADS": "0"} if cpus else {}), **(env or {})}
     return subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, env={**os.environ, **(env or {})}, preexec_fn=pin)
+                            start_new_session=True, env=env, preexec_fn=pin)
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -3,13 +3,14 @@ started here and stopped at the end. Candidates are checked and timed there, a w
 error, a server killed mid-run costs at most the candidate it ran, and the command line refuses a
 tracker that is not there in one line."""
 
+import os
 import re
 
 import numpy as np
 import pytest
 import tvm
 
-from tvm_ext.search.local_cluster import free_port, local_cluster, stop
+from tvm_ext.search.local_cluster import free_port, local_cluster, start, stop
 from tvm_ext.search.measure import Measurer
 from tvm_ext.search.space import knob_space
 from test_search_measure import CPU_ROWS, TARGET, task, zeroing_builder
@@ -201,3 +202,38 @@ def test_the_throughput_bench_gives_each_server_whole_cores_of_its_own(tmp_path)
     assert pin(list(range(8)), 2, 2, str(tmp_path)) == ([[0, 4], [1, 5]], [2, 6, 3, 7])
     assert pin(list(range(8)), 1, 3, str(tmp_path)) == ([[0, 4, 1, 5]], [2, 6, 3, 7])  # whole cores: 4 CPUs
     assert pin([0, 1, 2], 1, 1, str(tmp_path / "none")) == ([[0]], [1, 2])  # no topology: a CPU a core
+
+
+PROBE = '''
+import os, sys
+import numpy as np
+import tvm
+from tvm.script import tirx as T
+
+@T.prim_func
+def add_one(a: T.Buffer((4096,), "float32"), b: T.Buffer((4096,), "float32")):
+    for i in T.parallel(4096):
+        b[i] = a[i] + T.float32(1)
+
+lib = tvm.compile(add_one, target="llvm")
+a = tvm.runtime.tensor(np.zeros(4096, "float32"))
+b = tvm.runtime.tensor(np.zeros(4096, "float32"))
+lib(a, b)
+allowed = set()
+for tid in os.listdir("/proc/self/task"):
+    allowed |= os.sched_getaffinity(int(tid))
+with open(sys.argv[1], "w") as f:
+    f.write(",".join(map(str, sorted(allowed))))
+'''
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin a process to one of them")
+def test_a_pinned_process_keeps_tvm_threads_on_its_cpus(tmp_path):
+    """TVM's thread pool binds its threads to the machine's first CPUs unless told not to: a
+    server pinned by local_cluster.start keeps every thread on its own CPUs."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    cpu = max(os.sched_getaffinity(0))
+    proc = start("probe", str(tmp_path / "out"), env={"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}",
+                                                   "TVM_NUM_THREADS": "2"}, cpus=[cpu])
+    assert proc.wait(timeout=120) == 0
+    assert (tmp_path / "out").read_text() == str(cpu)

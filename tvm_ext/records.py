@@ -11,10 +11,10 @@ import fcntl
 import json
 import math
 import os
-import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 import tvm
 import tvm_ffi
@@ -168,6 +168,11 @@ class Database:
                           f"task(s) of this build (it holds {len(self.best)}); using heuristic schedules", stacklevel=3)
 
 
+def utc_now() -> str:
+    """A record's time: ISO 8601 UTC to the millisecond (throughput is read from records' times)."""
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 def append_record(path: str | os.PathLike, func: tirx.PrimFunc, target: Target, task: str, knobs: dict,
                   us: float | None, error: str | None = None, samples: list | None = None,
                   features: dict | None = None):
@@ -177,7 +182,7 @@ def append_record(path: str | os.PathLike, func: tirx.PrimFunc, target: Target, 
     (a writer killed mid-line) is closed first, so it stays one skipped line and never swallows this one.
     """
     rec = {"version": VERSION, "key": task_key(func, target), "task": task, "tvm": tvm.__version__,
-           "target": target_name(target), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "target": target_name(target), "time": utc_now(),
            "knobs": knobs, "us": None if us is None else float(us)}
     if error is not None:
         rec["error"] = error
