@@ -91,7 +91,7 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict):
         return None
     if unaligned_vectors(pattern, knobs):
         return None  # vectors over a width they may not divide: no tail chunk is tested
-    if knobs.get("cache") and const_int(pattern.reduce_extent) is None:
+    if knobs.get("cache") is True and const_int(pattern.reduce_extent) is None:
         return None  # TVM sizes a symbolic stage by the whole tensor (see dispatch.DYNAMIC_ROW_VARIANTS)
     return schedule_rows(pattern, threads, 1, int(knobs.get("vec", 1)), knobs.get("cache") or False,
-                         knobs.get("reduce_vec"))
+                         knobs.get("reduce_vec"), knobs.get("max_extent"))

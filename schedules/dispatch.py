@@ -15,7 +15,7 @@ from . import (attention, block_row, column_reduce, column_split, conv2d, cpu_ro
 from .analysis import ROW, const_int, match
 from .contracts import WIDTH_IN_VECTORS
 from .device import device_of
-from .rows import widest_lanes
+from .rows import REGISTERS, fits_registers, widest_lanes
 
 # Heuristic order: the first strategy whose default_knobs accepts the pattern wins.
 STRATEGIES = {s.NAME: s for s in (warp_row, grid_reduce, grid_sync, block_row, column_split, column_reduce, cpu_rows)}
@@ -25,12 +25,16 @@ CONTRACTIONS = {s.NAME: s for s in (gemv, matmul, wgmma_matmul, conv2d, attentio
 # A symbolic row width gets one kernel per width class, chosen at run time (tvm_ext.relax.variants):
 # by the largest width a class serves, and, within each, widths a multiple of a 16-byte vector
 # (read and written as vectors, `vec` set by the input dtype) before the rest (`vec` 1).
-# No class stages its rows: TVM sizes a symbolic stage of several rows by the whole tensor (the launch
-# fails: "Failed to set the allowed dynamic shared memory size to ..."), and copies a stage of one row
-# element by element, slower than re-reading the row (docs/design.md#row-and-column-templates).
+# No class stages its rows in shared memory: TVM sizes a symbolic stage of several rows by the whole
+# tensor (the launch fails: "Failed to set the allowed dynamic shared memory size to ..."), and
+# copies a stage of one row element by element, slower than re-reading the row
+# (docs/design.md#row-and-column-templates). A bounded vector class keeps the rows read twice or
+# more in registers (each lane's chunks of the class's widest row, every step tested against the
+# width) where a lane's share of them fits (rows.fits_registers); the bounds keep that share small.
 DYNAMIC_ROW_VARIANTS = [
     (1024, {"strategy": "warp_row", "group": 32, "rows_per_block": 4, "cache": False}),
-    (16384, {"strategy": "block_row", "threads": 256, "cache": False}),
+    (4096, {"strategy": "block_row", "threads": 256, "cache": False}),
+    (16384, {"strategy": "block_row", "threads": 512, "cache": False}),
     (None, {"strategy": "block_row", "threads": 1024, "cache": False}),
 ]
 
@@ -44,8 +48,10 @@ def width_classes(pattern) -> list[tuple]:
         within = None if bound is None else extent <= bound
         if lanes > 1:
             aligned = tirx.EQ(tirx.floormod(extent, lanes), tirx.const(0, str(extent.ty)))
+            row_lanes = knobs.get("group") or knobs["threads"]
+            cache = REGISTERS if bound and fits_registers(pattern, row_lanes, bound) else knobs["cache"]
             classes.append((aligned if within is None else tirx.And(within, aligned),
-                            dict(knobs, vec=lanes, max_extent=bound)))
+                            dict(knobs, vec=lanes, max_extent=bound, cache=cache)))
         classes.append((within, dict(knobs, vec=1, max_extent=bound)))
     return classes
 
@@ -62,20 +68,23 @@ def few_rows_class(func: tirx.PrimFunc, pattern, device, knobs: dict) -> tuple |
     return None if sch is None else (pattern.row_count < device.sm_count, few, sch)
 
 
-def in_vectors(func: tirx.PrimFunc, width, lanes: int) -> tirx.PrimFunc | None:
+def in_vectors(func: tirx.PrimFunc, width, lanes: int, bound: int | None = None) -> tirx.PrimFunc | None:
     """`func` with its symbolic row width `width` spelled `width_vectors * lanes`, `width_vectors`
     a new scalar parameter before the outputs (attr WIDTH_IN_VECTORS: the call site passes
     width // lanes after its inputs); None when the width is not a dim of a parameter.
 
     For a width class whose widths `lanes` divides: TVM then knows every row starts on a whole
     vector, so loads over the row vectorize (a load it cannot prove aligned becomes a gather of
-    single elements) and the row splits into whole vectors without a test."""
+    single elements) and the row splits into whole vectors without a test. `bound`: the widest
+    row of the class, spelled in (`min(width_vectors, bound // lanes) * lanes`, equal for every
+    width the class serves) so that TVM can bound a lane's steps over the row by it."""
     if not isinstance(width, tirx.Var) or not any(d.same_as(width) for p in func.params for d in getattr(p, "shape", [])):
         return None
     vectors = tirx.Var(f"{width.name}_vectors", width.ty)
+    count = vectors if bound is None else tirx.min(vectors, tirx.const(bound // lanes, width.ty))
     # every use, in buffer shapes and the body, rebuilt as it is: PrimFunc.specialize would fold
     # `x * 1.0` and Welford's update would no longer match its registered combiner
-    spelled = tvm_ffi.structural_map(func, (tirx.Var, lambda v: vectors * lanes if v.same_as(width) else v))
+    spelled = tvm_ffi.structural_map(func, (tirx.Var, lambda v: count * lanes if v.same_as(width) else v))
     written = []
     tvm_ffi.structural_walk(spelled.body, (s_tir.SBlock, lambda b: written.extend(w.source for w in b.writes)), order="pre")
     params = list(spelled.params)
@@ -117,8 +126,10 @@ def _plan(func, target, build: bool) -> list[tuple]:
 
 def _width_class_schedule(func, target, width, knobs) -> s_tir.Schedule | None:
     """A width class's kernel: over whole vectors where the class's vector divides every width it
-    serves (in_vectors), else over `func` as it is."""
-    spelled = in_vectors(func, width, knobs["vec"]) if knobs["vec"] > 1 else None
+    serves (in_vectors), else over `func` as it is; rows in registers over the width spelled with
+    the class's bound."""
+    bound = knobs["max_extent"] if knobs.get("cache") == REGISTERS else None
+    spelled = in_vectors(func, width, knobs["vec"], bound) if knobs["vec"] > 1 else None
     return schedule(spelled or func, target, knobs)
 
 

@@ -80,8 +80,9 @@ def passes_over(pattern: ReducePattern, buf) -> int:
     return sum(any(r.source.same_as(buf) for r in sch.get(b.block_rv).reads) for b in pattern.blocks)
 
 
-def row_bytes(pattern: ReducePattern, buffers) -> int | None:
-    n = const_int(pattern.reduce_extent)
+def row_bytes(pattern: ReducePattern, buffers, width: int | None = None) -> int | None:
+    """Bytes of a row of `buffers`; a symbolic width counts as `width` (its class's bound) where given."""
+    n = const_int(pattern.reduce_extent) or width
     return None if n is None else sum(n * pattern.dtype_bytes(buf) for buf in buffers)
 
 
@@ -158,10 +159,13 @@ def worth_caching(pattern: ReducePattern, device: Device, rows_per_block: int = 
     return bool(size) and size * rows_per_block <= stage_limit(device) and stage_is_bounded(pattern, rows_per_block)
 
 
-def fits_registers(pattern: ReducePattern, lanes: int) -> bool:
+def fits_registers(pattern: ReducePattern, lanes: int, max_extent: int | None = None) -> bool:
     """Whether a lane's share of the inputs read twice or more (over `lanes` lanes a row) fits
-    REGISTER_BYTES, so that the chain can keep them in registers (cache=REGISTERS)."""
-    size = row_bytes(pattern, cached_inputs(pattern))
+    REGISTER_BYTES, so that the chain can keep them in registers (cache=REGISTERS). A symbolic
+    width is counted at its class's `max_extent`, and needs an epilogue (schedule_rows)."""
+    if const_int(pattern.reduce_extent) is None and pattern.epilogue is None:
+        return False
+    size = row_bytes(pattern, cached_inputs(pattern), max_extent)
     return bool(size) and size <= lanes * REGISTER_BYTES
 
 
@@ -219,19 +223,21 @@ def stage_scopes(pattern: ReducePattern, buffers: list, rows_per_block: int) -> 
     return scopes
 
 
-def _spread(sch: s_tir.Schedule, loops, threads: int, vec: int, vectorize: bool):
+def _spread(sch: s_tir.Schedule, loops, threads: int, vec: int, vectorize: bool, steps: int | None = None):
     """Fuse `loops` and spread them over threadIdx.x in chunks of `vec` adjacent elements.
 
     Stores and copies vectorize the chunk; a reduction unrolls it. Returns the serial loop. A
     symbolic extent is split into chunks without a predicate: the kernel serves only widths that
-    are a multiple of `vec` (its width class's condition), so no chunk is partial.
+    are a multiple of `vec` (its width class's condition), so no chunk is partial. `steps`: the
+    serial loop's extent (each step tested against the width), so that a symbolic width bounded
+    by its class unrolls into the steps a lane's registers hold.
     """
     fused = sch.fuse(*loops)
     if vec > 1 and const_int(sch.get(fused).extent) is None:
         rest, lane = sch.split(fused, [None, vec], disable_predication=True)
-        outer, tx = sch.split(rest, [None, threads])
+        outer, tx = sch.split(rest, [steps, threads])
     else:
-        outer, tx, lane = sch.split(fused, [None, threads, vec])
+        outer, tx, lane = sch.split(fused, [steps, threads, vec])
     sch.reorder(tx, outer, lane)
     sch.bind(tx, "threadIdx.x")
     if vec > 1:
@@ -273,18 +279,25 @@ def unaligned_vectors(pattern: ReducePattern, knobs: dict) -> bool:
 
 
 def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec: int, cache: bool | str,
-                  reduce_vec: int | None = None):
+                  reduce_vec: int | None = None, max_extent: int | None = None):
     """The chain of `pattern` with rows along blockIdx.x/threadIdx.y, lanes along threadIdx.x.
 
     `cache`: True stages the inputs read twice or more in shared memory; REGISTERS keeps each
     lane's share of them in its registers, every block of the chain taking the same chunks.
     `reduce_vec`: adjacent elements a lane takes per step in the reductions (default `vec`; also
     for rows read from global memory, where wider steps beat 1 on batch statistics; measured: see
-    docs/design.md#row-and-column-templates).
+    docs/design.md#row-and-column-templates). `max_extent`: the largest width a symbolic width's
+    class serves; rows kept in registers then take that width's steps, each tested.
     """
     registers = cache == REGISTERS
     reduce_vec = vec if registers else reduce_vec or vec
-    if cache and not stage_is_bounded(pattern, rows_per_block):
+    width = const_int(pattern.reduce_extent)
+    steps = None
+    if registers and width is None:
+        if max_extent is None or pattern.epilogue is None or not _bounded(pattern.reduce_extent, max_extent):
+            return None  # a lane's registers need a bound (dispatch.in_vectors spells it); the epilogue takes the stage's chunks
+        steps = -(-int(max_extent) // (threads * vec))
+    elif cache and not stage_is_bounded(pattern, rows_per_block):
         return None
     pattern = pattern.with_pivots_apart()  # the reductions then read one element of the row each
     sch, ns = pattern.sch, pattern.num_spatial
@@ -300,13 +313,13 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
         block, row = sch.split(sch.fuse(*loops[:ns]), [None, rows_per_block])
     sch.bind(block, "blockIdx.x")
     sch.bind(row, "threadIdx.y")
-    width = const_int(pattern.reduce_extent)
     in_vectors = WIDTH_IN_VECTORS in (sch.mod["main"].attrs or {})
     wide = reduce_vec > 1 and (in_vectors or (width is not None and width % (threads * reduce_vec) == 0))
     reductions = []
     if len(loops) > ns and pattern.epilogue is not None:  # an epilogue over every element of the row
         # rows in registers: the stage's own chunks
-        _spread(sch, loops[ns:], threads, vec if registers else min(vec, MAX_EPILOGUE_LANES), vectorize=True)
+        _spread(sch, loops[ns:], threads, vec if registers else min(vec, MAX_EPILOGUE_LANES), vectorize=True,
+                steps=steps)
     elif len(loops) > ns:  # the row's last reduction: chunks where they are read as vectors (below)
         chunks = reduce_vec if wide and not (in_vectors and cache) else 1
         reductions.append((last.block_rv, _spread(sch, loops[ns:], threads, chunks, vectorize=False)))
@@ -318,7 +331,7 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
         for i, _ in enumerate(sch.get(info.block_rv).writes):
             sch.set_scope(info.block_rv, i, "local" if rows_per_block > 1 else "shared")
         sch.compute_at(info.block_rv, row, preserve_unit_loops=True)
-        outer = _spread(sch, sch.get_loops(info.block_rv)[2:], threads, reduce_vec, vectorize=False)
+        outer = _spread(sch, sch.get_loops(info.block_rv)[2:], threads, reduce_vec, vectorize=False, steps=steps)
         reductions.append((info.block_rv, outer))
     for pivot in pattern.prologue:  # every thread loads its row's pivot into a register
         sch.set_scope(pivot.block_rv, 0, "local")
@@ -338,7 +351,7 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
         sch.compute_at(stage, block, preserve_unit_loops=True)  # each threadIdx.y stages its own row
         staged_row, *columns = sch.get_loops(stage)[1:]
         sch.bind(sch.fuse(staged_row, *columns[:-1]) if len(columns) > 1 else staged_row, "threadIdx.y")
-        _spread(sch, columns[-1:], threads, vec, vectorize=True)
+        _spread(sch, columns[-1:], threads, vec, vectorize=True, steps=steps)
         if registers:
             # [chunk, element]: a lane's own chunks (a local buffer is the lane's own; each block of
             # the chain binds threadIdx apart, so TVM cannot bound a lane's part of the row itself)
@@ -368,4 +381,20 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
         for reduction, outer in reductions:
             ends = reduction.same_as(last.block_rv)
             _wide_reads(sch, reduction, outer, in_shared + (from_memory if one_chunk or ends else []))
-    return sch
+    return _bounded_registers(sch, staged_buffers, steps, vec) if steps else sch
+
+
+def _bounded(extent, bound: int) -> bool:
+    """Whether TVM can prove `extent` at most `bound` (its split of a lane's steps must)."""
+    return tvm.sym.Analyzer().can_prove(extent <= bound)
+
+
+def _bounded_registers(sch: s_tir.Schedule, stages: list, steps: int, vec: int) -> s_tir.Schedule:
+    """`sch`'s function with each register stage of a symbolic width sized [steps, vec], its class's
+    bound (a lane's chunks of the widest row it serves): TVM sizes it by the symbolic width, and
+    CUDA has no local array of a size known only at launch."""
+    bounded = [(buf, tirx.decl_buffer((steps, vec), buf.dtype, buf.name, scope="local")) for buf in stages]
+
+    def resize(var):
+        return next((new for old, new in bounded if var.same_as(old)), var)
+    return s_tir.Schedule(tvm_ffi.structural_map(sch.mod["main"], (tvm.ir.Var, resize)))

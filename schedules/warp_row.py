@@ -99,4 +99,4 @@ def apply(pattern: ReducePattern, device: Device, knobs: dict):
     if not 2 <= group <= device.warp or group & (group - 1) or group * rows > device.max_threads:
         return None
     return schedule_rows(pattern, group, rows, int(knobs.get("vec", 1)), knobs.get("cache") or False,
-                         knobs.get("reduce_vec"))
+                         knobs.get("reduce_vec"), knobs.get("max_extent"))

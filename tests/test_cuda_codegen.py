@@ -107,20 +107,20 @@ def test_dynamic_rows_compile_to_an_int32_and_an_int64_kernel_with_symbolic_grid
 
 def test_symbolic_row_width_dispatches_between_variants_at_run_time():
     ex, src, _ = build_case(next(c for c in CASES if c["id"] == "sm-dyn-bxn-f16"))
-    assert tvm_ext.cuda_kernels(ex) == [f"softmax_v{i}{s}_kernel" for i in range(6) for s in ("_i32", "")]
+    assert tvm_ext.cuda_kernels(ex) == [f"softmax_v{i}{s}_kernel" for i in range(8) for s in ("_i32", "")]
     host = ex.as_text()
     calls = re.findall(r"call  (softmax\w*) ", host)
-    assert calls == [f"softmax_v{i}{s}" for i in range(6) for s in ("_i32", "")], "narrowest first, int32 first"
-    assert host.count("If    ") == 11, "five width branches, and an int32/int64 branch per width class"
+    assert calls == [f"softmax_v{i}{s}" for i in range(8) for s in ("_i32", "")], "narrowest first, int32 first"
+    assert host.count("If    ") == 15, "seven width branches, and an int32/int64 branch per width class"
     kernel = lambda name: re.search(rf"{name}_kernel\([^)]*\) \{{(.*?)\n\}}", src, re.S).group(1)  # noqa: E731
     v0 = kernel("softmax_v0")
     assert "threadIdx.y" in v0 and "__shfl_down_sync" in v0  # warp_row: a warp per row, rows along y
-    assert re.search(r"__launch_bounds__\(1024\) softmax_v4_kernel", src)  # block_row for unbounded widths
-    for vector, scalar in (("softmax_v0", "softmax_v1"), ("softmax_v2", "softmax_v3"), ("softmax_v4", "softmax_v5")):
-        # widths a multiple of 8 halves: vector stores of whole chunks (4 lanes in the epilogue's float32
-        # math: rows.MAX_EPILOGUE_LANES), no per-element tail test
-        assert re.search(r"\*\(half4\*\)\(compute_ptr \+", kernel(vector)), vector
-        assert "half4" not in kernel(scalar), scalar
+    assert re.search(r"__launch_bounds__\(1024\) softmax_v6_kernel", src)  # block_row for unbounded widths
+    for vector, scalar in [(f"softmax_v{i}", f"softmax_v{i + 1}") for i in range(0, 8, 2)]:
+        # widths a multiple of 8 halves: vector stores of whole chunks (8 halves from registers, 4 lanes
+        # of the epilogue's float32 math otherwise: rows.MAX_EPILOGUE_LANES), no per-element tail test
+        assert re.search(r"\*\((half4|uint4)\*\)\(compute_ptr \+", kernel(vector)), vector
+        assert not re.search(r"half4|uint4", kernel(scalar)), scalar
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

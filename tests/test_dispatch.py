@@ -14,6 +14,7 @@ from conftest import CUDA_TARGET
 from tvm_ext.schedules import warp_row
 from tvm_ext.schedules.analysis import match
 from tvm_ext.schedules.device import Device, device_of
+from tvm_ext.schedules.dispatch import in_vectors
 from tvm_ext.schedules.grid_reduce import joint_allocation
 from tvm_ext.schedules.rows import REGISTERS
 from tvm_ext.pipeline import fused_reduce_functions
@@ -78,14 +79,18 @@ def test_a_lone_mean_still_takes_the_grid():
     assert [k["strategy"] for _, k in plan] == ["grid_reduce"]
 
 
-def test_symbolic_width_plans_three_classes_each_with_a_vector_kernel():
+def test_symbolic_width_plans_four_classes_each_with_a_vector_kernel():
     (plan,) = plans("softmax", [4096, "s"], "float16").values()
     assert [str(cond) for cond, _ in plan] == [
         "s <= T.int64(1024) and s % T.int64(8) == T.int64(0)", "s <= T.int64(1024)",
+        "s <= T.int64(4096) and s % T.int64(8) == T.int64(0)", "s <= T.int64(4096)",
         "s <= T.int64(16384) and s % T.int64(8) == T.int64(0)", "s <= T.int64(16384)",
         "s % T.int64(8) == T.int64(0)", "None"]
-    assert [k["strategy"] for _, k in plan] == ["warp_row"] * 2 + ["block_row"] * 4
-    assert [k["vec"] for _, k in plan] == [8, 1] * 3
+    assert [k["strategy"] for _, k in plan] == ["warp_row"] * 2 + ["block_row"] * 6
+    assert [k["vec"] for _, k in plan] == [8, 1] * 4
+    # the bounded vector classes keep the row in registers (a lane's share of 1024, 4096 or 16384
+    # halves over 32, 256 or 512 lanes: 64 bytes); the scalar ones and the unbounded one re-read it
+    assert [k["cache"] for _, k in plan] == [REGISTERS, False] * 3 + [False, False]
 
 
 def test_a_symbolic_row_count_gets_a_kernel_for_fewer_rows_than_sms():
@@ -107,9 +112,9 @@ def test_a_symbolic_row_count_gets_a_kernel_for_fewer_rows_than_sms():
 
 def test_vector_width_classes_follow_the_narrowest_input():
     (plan,) = plans("softmax", ["b", "s"], "float32").values()
-    assert [k["vec"] for _, k in plan] == [4, 1] * 3  # 16 bytes of float32
+    assert [k["vec"] for _, k in plan] == [4, 1] * 4  # 16 bytes of float32
     (plan,) = plans("layer_norm", ["b", "s"], "bfloat16").values()
-    assert [k["vec"] for _, k in plan] == [8, 1] * 3
+    assert [k["vec"] for _, k in plan] == [8, 1] * 4
 
 
 def test_a_symbolic_width_is_split_into_whole_vectors_without_a_tail_test():
@@ -119,10 +124,12 @@ def test_a_symbolic_width_is_split_into_whole_vectors_without_a_tail_test():
     (_, knobs, vector), (_, _, scalar) = schedules.scheduled(func, TARGET)[:2]
     assert knobs["vec"] == 8
     vector_text, scalar_text = vector.mod["main"].script(), scalar.mod["main"].script()
-    assert '"s_vectors * T.int64(8)"' in vector_text and "s_vectors: T.int64" in vector_text
+    # rows in registers: the width spelled with the class's bound, 1024 halves (128 vectors)
+    assert '"T.min(s_vectors, T.int64(128)) * T.int64(8)"' in vector_text and "s_vectors: T.int64" in vector_text
     assert "T.vectorized(" in vector_text and "T.vectorized" not in scalar_text
+    count = r"(s_vectors|T\.min\(s_vectors, T\.int64\(\d+\)\))"
     wheres = re.findall(r"T\.where\((.*)\)", vector_text)
-    assert wheres and all(re.search(r"(< s_vectors|< s_vectors \* T\.int64\(\d+\)|- s_vectors < T\.int64\(0\))$", w)
+    assert wheres and all(re.search(rf"(_0_1 < {count}|< {count} \* T\.int64\(\d+\)|- s_vectors < T\.int64\(0\))$", w)
                           for w in wheres), "the vector class tests whole chunks against the width, never an element"
     assert re.findall(r"T\.where\(.* < s\)", scalar_text)  # the scalar class tests each element
 
@@ -138,8 +145,10 @@ def test_a_width_class_of_whole_vectors_loads_vectors(op, dtype, vector):
     src = tvm_ext.cuda_source(ex)
     kernels = {name: re.search(rf"void __launch_bounds__\(\d+\) {name}\(([^)]*)\) \{{(.*?)\n\}}", src, re.S).groups()
                for name in tvm_ext.cuda_kernels(ex)}
-    in_vectors = {name: body for name, (params, body) in kernels.items() if "s_vectors" in params}
-    assert len(in_vectors) == 6, "the three vector classes, each with its int32 twin"
+    # classes in plan order, the vector one before the scalar one at each bound: v0, v2, v4, v6
+    in_vectors = {name: body for name, (params, body) in kernels.items() if re.search(r"_v[0246]_", name)}
+    assert len(in_vectors) == 8 and all("s_vectors" in kernels[name][0] for name in in_vectors), \
+        "the four vector classes, each with its int32 twin"
     for name, body in in_vectors.items():
         assert not re.search(r"make_(half|float|bfloat16)\d\(p0_ptr\[", body), f"{name}: x gathered element by element"
         assert re.search(rf"\*\({vector}\*\)\(p0_local_ptr \+ (\(int64_t\))?0\) = \*\({vector}\*\)\(p0_ptr \+", body), name
@@ -259,5 +268,8 @@ def test_blocks_of_rows_never_cross_a_row_dim(op, shape):
     classes = [knobs for _, knobs in schedules.plan(func, target) if knobs["strategy"] == "warp_row"]
     assert classes
     for knobs in classes:
+        # rows in registers: over the width spelled with the class's bound, as the build spells it
+        registers = knobs["cache"] == REGISTERS
+        spelled = in_vectors(func, match(func).reduce_extent, knobs["vec"], knobs["max_extent"]) if registers else func
         for rows in (4, 8):
-            assert warp_row.apply(match(func), device_of(target), dict(knobs, rows_per_block=rows)) is not None
+            assert warp_row.apply(match(spelled), device_of(target), dict(knobs, rows_per_block=rows)) is not None
