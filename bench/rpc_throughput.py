@@ -1,7 +1,7 @@
 """Candidates measured per minute through one TVM RPC server and through several, on this machine.
 
-    python -m bench.rpc_throughput --cases layer_norm:2048x1024:float32,softmax:4096x1000:float32 --target llvm \\
-        --trials 32 --servers 1,2 --server-cpus 4 --out bench/results/NAME
+    python -m bench.rpc_throughput --cases grid --target llvm --trials 1000 --servers 1,2 --server-cpus 4 \\
+        --out bench/results/NAME
 
 For each server count a tracker and that many servers are started on 127.0.0.1 (llvm servers each
 pinned to `--server-cpus` CPUs of whole physical cores of their own, with as many TVM threads; the
@@ -35,6 +35,10 @@ def _per_minute(log: str) -> tuple[int, float, int]:
 
 
 CASES = "layer_norm:2048x1024:float32,softmax:4096x1000:float32,rms_norm:4096x768:float32,row_sum:8192x512:float32"
+# `--cases grid`: 120 CI-sized tasks of 3 points each, enough candidates that the first ones' wait
+# for their references and the builders' start does not set the rate
+GRID = ",".join(f"{op}:{rows}x{cols}:float32" for op in ("layer_norm", "softmax", "rms_norm", "row_sum")
+                for rows in (256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 2048) for cols in (256, 512, 1024))
 
 
 def physical_cores(cpus: list[int], topology: str = "/sys/devices/system/cpu") -> list[list[int]]:
@@ -112,7 +116,7 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default=CASES, help="comma-separated OP:ROWSxCOLS:DTYPE")
+    ap.add_argument("--cases", default=CASES, help="comma-separated OP:ROWSxCOLS:DTYPE, or `grid` (120 tasks)")
     ap.add_argument("--target", default="llvm")
     ap.add_argument("--trials", type=int, default=32)
     ap.add_argument("--servers", default="1,2", help="server counts, one run each")
@@ -122,7 +126,8 @@ def main(argv=None) -> int:
     counts = [int(c) for c in args.servers.split(",")]
     if args.target == "llvm" and not pin(sorted(os.sched_getaffinity(0)), max(counts), args.server_cpus)[1]:
         ap.error(f"{max(counts)} servers of {args.server_cpus} CPUs (whole cores) leave no CPU to the builders")
-    result = run(args.cases.split(","), args.target, args.trials, counts, args.server_cpus)
+    cases = GRID if args.cases == "grid" else args.cases
+    result = run(cases.split(","), args.target, args.trials, counts, args.server_cpus)
     write_json_and_markdown(args.out, result, markdown(result))
     return 0
 

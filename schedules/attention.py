@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
@@ -285,11 +286,35 @@ def sizes(args: dict) -> tuple:
     return args["batch"], args["seq_q"], args["seq_kv"], args["dim"]
 
 
-def knob_space(func: tirx.PrimFunc) -> list[dict]:
-    """The points of KNOB_SPACE the kernel takes for `func`'s sizes and views; none over a symbolic
-    length (its kernel takes the length as a scalar argument, which the tuner does not pass)."""
+def at_lengths(func: tirx.PrimFunc, lengths: dict, default: int) -> tirx.PrimFunc:
+    """`func` made again with each symbolic length set to `lengths[its name]` (`default` where not
+    given), its other attributes kept: a kernel built for any length takes the length as a scalar
+    argument, so a tuning run measures it as the kernel of one length (its knobs are the same)."""
     args = recipe(func)
-    if args is None or not all(isinstance(x, int) for x in sizes(args)):
+    if all(isinstance(x, int) for x in sizes(args)):
+        return func
+    analyzer = tvm.sym.Analyzer()
+
+    def fixed(x):
+        if isinstance(x, tuple):
+            return tuple(fixed(y) for y in x)
+        if isinstance(x, StridedView):
+            return StridedView(fixed(x.axes), fixed(x.offset))
+        if tvm.ir.is_prim_expr(x):
+            set_ = tvm_ffi.structural_map(x, (tvm.ir.Var, lambda v: tirx.const(int(lengths.get(v.name, default)), v.ty)))
+            return int(analyzer.simplify(set_))
+        return x
+    args = {key: fixed(value) for key, value in args.items() if key not in ("given", "mask")} | {
+        "given": {name: fixed(operand) for name, operand in args["given"].items()}, "mask": args["mask"]}
+    made = kernel(**args, **{k: v for k, v in DEFAULT_KNOBS.items() if k != "strategy"}).without_attr("global_symbol")
+    return made.with_attrs({k: v for k, v in func.attrs.items() if k not in made.attrs})
+
+
+def knob_space(func: tirx.PrimFunc) -> list[dict]:
+    """The points of KNOB_SPACE the kernel takes for `func`'s sizes and views (over a symbolic
+    length, the points the kernel takes at any length: `fits`)."""
+    args = recipe(func)
+    if args is None:
         return []
     return [{"strategy": NAME, "warpgroups": w, "block_n": n}
             for w in KNOB_SPACE["warpgroups"] for n in KNOB_SPACE["block_n"]

@@ -34,6 +34,13 @@ def _concrete(shape, dims: dict) -> list[int]:
     return [int(d.value) if hasattr(d, "value") else int(dims.get(d.name, NOMINAL)) for d in shape]
 
 
+def measured(func, dims: dict | None = None):
+    """`func` as its candidates are built and timed: a kernel that takes a symbolic length as a
+    scalar argument (a fused attention built for any length) made at the length `dims` gives
+    (NOMINAL where none); any other as it is (its symbolic dims are read from the tensors passed)."""
+    return func if attention.recipe(func) is None else attention.at_lengths(func, dims or {}, NOMINAL)
+
+
 def task_bytes(func, dims: dict | None = None) -> int:
     """Bytes of every parameter buffer: what must cross memory at least once."""
     return sum(int(np.prod(_concrete(p.shape, dims or {}))) * tvm.DataType(str(p.ty.dtype)).bits // 8

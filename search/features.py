@@ -168,10 +168,11 @@ def gemv_features(n: int, k: int, item: int, knobs: dict, epilogue: bool, device
     return np.asarray(values, dtype="float32")
 
 
-def attention_features(args: dict, knobs: dict, device: Device) -> np.ndarray:
+def attention_features(args: dict, knobs: dict, device: Device, symbolic: bool = False) -> np.ndarray:
     """The same quantities for a fused attention candidate, as a matmul's: each output row reduces
     seq_kv keys; the stage is Q's, P's and two stages of K's and V's tiles; k per step, the keys of
-    a tile; a warp's tile, 16 query rows by the tile's keys."""
+    a tile; a warp's tile, 16 query rows by the tile's keys. `symbolic`: built for any length (the
+    sizes of `args` then NOMINAL's)."""
     batch, seq_q, seq_kv, dim = attention.sizes(args)
     threads, blocks, smem = attention.launch(args, knobs)
     block_n = int(knobs["block_n"])
@@ -181,7 +182,7 @@ def attention_features(args: dict, knobs: dict, device: Device) -> np.ndarray:
     waves = blocks / slots
     values = [0.0] * len(STRATEGIES) + [1.0, 0.0] + [
         math.log2(seq_kv * dim), math.log2(outputs), math.log2(batch * (2 * seq_q + 2 * seq_kv) * dim * 2), 2,
-        float(args["mask"] is not None), 0.0, threads, math.log2(blocks), waves, blocks / (math.ceil(waves) * slots),
+        float(args["mask"] is not None), float(symbolic), threads, math.log2(blocks), waves, blocks / (math.ceil(waves) * slots),
         threads * resident / device.threads_per_sm, math.log2(max(1, outputs * 4 // (blocks * threads))), 16,
         1.0, smem, 0.0, math.log2(block_n), 2, math.log2(16 * block_n), 0.0]
     return np.asarray(values, dtype="float32")
@@ -201,8 +202,9 @@ def candidate_features(func: tirx.PrimFunc, points: list[dict], target: Target) 
         item = matmul.operand_itemsize(block)
         return np.stack([gemv_features(n, k, item, knobs, folded.ivs is not None, device) for knobs in points])
     if points[0]["strategy"] == attention.NAME:
-        args = attention.recipe(func)
-        return np.stack([attention_features(args, knobs, device) for knobs in points])
+        args = attention.recipe(attention.at_lengths(func, {}, NOMINAL))  # a symbolic length at NOMINAL
+        symbolic = not all(isinstance(x, int) for x in attention.sizes(attention.recipe(func)))
+        return np.stack([attention_features(args, knobs, device, symbolic) for knobs in points])
     if points[0]["strategy"] == conv2d.NAME:
         sch, _, block, epilogue = conv2d.convolution(func)
         return np.stack([conv2d_features(sch.get(block), knobs, bool(epilogue), device) for knobs in points])

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import tvm
 
 from .builder import build_candidate
+from .check import measured
 from .rpc import NoServerError, ServerBusyError, copy_gbps_rpc, free_servers, run_candidate_rpc
 from .runner import COPY_TIMEOUT_S, copy_gbps, prepare_reference, reference_path, run_candidate
 from .worker_pool import POLL_S, Pool
@@ -86,7 +87,7 @@ class Measurer:
         large layer's reference takes longer than a build); each candidate runs as soon as it is
         built and its task's reference is there, on the runner that ran the task before where it
         can (an RPC server keeps the task's tensors). `on_result(i, result)` as candidate i finishes."""
-        task = (tvm.ir.save_json(func), dict(dims or {}))
+        task = (tvm.ir.save_json(measured(func, dims)), dict(dims or {}))
         home = reference_path(*task, self.scratch.name)  # the reference's file names the task
         if not os.path.exists(home) and home not in self._referencing:
             self._referencing.add(home)
@@ -177,7 +178,7 @@ class Measurer:
     def time_library(self, func, lib_path: str, dims: dict | None = None) -> Result:
         """Check and time a library built elsewhere (e.g. by MetaSchedule) for `func`, exactly as
         candidates are: same runner, reference, timer."""
-        (answer,) = self.runners.map(self.runner, [(tvm.ir.save_json(func), self.target_json, dict(dims or {}),
+        (answer,) = self.runners.map(self.runner, [(tvm.ir.save_json(measured(func, dims)), self.target_json, dict(dims or {}),
                                                     self.scratch.name, lib_path, [], *self.remote)], self.timeout)
         return _result({}, answer)
 

@@ -14,7 +14,7 @@ from tvm_ext.records import read_records
 from tvm_ext.target import parse_target
 
 from .cost_model import CostModel, logged_groups
-from .check import task_bytes, task_flops
+from .check import measured, task_bytes, task_flops
 from .measure import Measurer
 from .scheduler import tune
 from .strategy import TaskSearch
@@ -118,7 +118,7 @@ def tune_model(mod, target, trials: int, log: str, resume: bool = False, warm_st
 
 def _report(search: TaskSearch, dims, copy_gbps: float) -> TaskReport:
     best, heuristic = search.best, search.heuristic_result
-    func = search.task.func
+    func = measured(search.task.func, dims)
     gbps = task_bytes(func, dims) / best.best_us / 1e3 if best else 0.0
     return TaskReport(search.task.name, search.task.weight, len(search.measured),
                       best.best_us if best else float("inf"),

@@ -793,3 +793,33 @@ def test_transformers_fp16_with_fused_attention_match_pytorch(kind, attn, mask, 
     with torch.no_grad():
         want = module.float()(*inputs).numpy()
     np.testing.assert_allclose(got, want, atol=3e-2 * max(1.0, float(np.abs(want).max())))
+
+
+def test_attention_built_for_any_length_is_a_task_measured_at_one_length(tmp_path):
+    """A kernel built for any length takes the length as a scalar argument: the tuner measures it as
+    the kernel of the length --dims gives (every point of its space fits any length), features it
+    at NOMINAL with the symbolic column set, and its log's best point is what a build for any
+    length takes."""
+    from tvm_ext.records import append_record  # noqa: PLC0415
+    from tvm_ext.search.check import measured  # noqa: PLC0415
+    from tvm_ext.search.features import NAMES, NOMINAL, candidate_features  # noqa: PLC0415
+    from tvm_ext.search.tasks import extract_tasks  # noqa: PLC0415
+
+    mod = spelled(seq=tvm.tirx.Var("seq", "int64"), packed=True)
+    (task,) = [t for t in extract_tasks(mod, SM_90A) if attention.recipe(t.func) is not None]
+    assert attention.sizes(attention.recipe(task.func))[1].name == "seq"
+    points = attention.knob_space(task.func)
+    assert len(points) == 4
+    at_512 = measured(task.func, {"seq": 512})
+    assert attention.sizes(attention.recipe(at_512)) == (4, 512, 512, 64)
+    assert [list(p.shape) for p in at_512.params] == [[2, 512, 384]] * 3 + [[2, 512, 128]]  # no scalar argument
+    assert attention.sizes(attention.recipe(measured(task.func))) == (4, NOMINAL, NOMINAL, 64)
+    assert attention.knob_space(at_512) == points
+    x = candidate_features(task.func, points, SM_90A)
+    assert np.isfinite(x).all() and (x[:, NAMES.index("symbolic")] == 1).all() and len({r.tobytes() for r in x}) == 4
+    log = tmp_path / "log.json"
+    append_record(log, task.func, SM_90A, task.name, {"strategy": attention.NAME, "warpgroups": 2, "block_n": 128}, us=5.0)
+    default = tvm_ext.cuda_source(tvm_ext.build(mod, SM_90A))
+    tuned = tvm_ext.cuda_source(tvm_ext.build(mod, SM_90A, database=str(log)))
+    assert "__launch_bounds__(128) fused_attention" in default.replace("_kernel", "")
+    assert "__launch_bounds__(256) fused_attention" in tuned.replace("_kernel", "")
