@@ -1,7 +1,7 @@
 """Schedule templates for fused reduce subgraphs: one module per strategy, `dispatch` picks one."""
 
 from .dispatch import (STRATEGIES, contraction_kernels, contraction_template, heuristic_knobs, plan, schedule,
-                       scheduled, symbolic_rows)
+                       scheduled, symbolic_rows, tunable)
 
 __all__ = ["STRATEGIES", "contraction_kernels", "contraction_template", "heuristic_knobs", "plan", "schedule", "scheduled",
-           "symbolic_rows"]
+           "symbolic_rows", "tunable"]

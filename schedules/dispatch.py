@@ -102,12 +102,23 @@ def plan(func: tirx.PrimFunc, target: Target) -> list[tuple]:
     return [(condition, knobs) for condition, knobs, _ in _plan(func, target, build=False)]
 
 
-def scheduled(func: tirx.PrimFunc, target: Target) -> list[tuple]:
-    """plan(func, target) with each kernel's Schedule: [(condition, knobs, Schedule | None), ...]."""
-    return _plan(func, target, build=True)
+def scheduled(func: tirx.PrimFunc, target: Target, knobs: dict | None = None) -> list[tuple]:
+    """plan(func, target) with each kernel's Schedule: [(condition, knobs, Schedule | None), ...].
+    `knobs` (a tuning record's, for a `tunable` function) replace the heuristic's kernel; a class
+    of fewer rows than SMs stays beside it (the record was measured at one row count)."""
+    return _plan(func, target, build=True, knobs=knobs)
 
 
-def _plan(func, target, build: bool) -> list[tuple]:
+def tunable(func: tirx.PrimFunc, target: Target) -> bool:
+    """Whether one tuning record can stand for `func`'s kernels: not for a row of symbolic width on a
+    GPU, whose width classes are chosen per call by the width (a point measured at one width would
+    replace every class, their vectors and registers with it)."""
+    pattern = match(func)
+    return not (pattern is not None and device_of(target).is_gpu and pattern.layout == ROW
+                and const_int(pattern.reduce_extent) is None)
+
+
+def _plan(func, target, build: bool, knobs: dict | None = None) -> list[tuple]:
     """Heuristic proposals are applied once to learn that their strategy accepts them: that
     Schedule is handed on, not rebuilt. Width classes are scheduled only when `build`."""
     pattern, device = match(func), device_of(target)
@@ -115,9 +126,9 @@ def _plan(func, target, build: bool) -> list[tuple]:
         return []
     extent = pattern.reduce_extent
     if device.is_gpu and pattern.layout == ROW and const_int(extent) is None:
-        return [(condition, knobs, _width_class_schedule(func, target, extent, knobs) if build else None)
-                for condition, knobs in width_classes(pattern)]
-    found = _first_applicable(func, pattern, device)
+        return [(condition, class_knobs, _width_class_schedule(func, target, extent, class_knobs) if build else None)
+                for condition, class_knobs in width_classes(pattern)]
+    found = (knobs, schedule(func, target, knobs)) if knobs else _first_applicable(func, pattern, device)
     if not found:
         return []
     few = few_rows_class(func, pattern, device, found[0]) if const_int(pattern.row_count) is None else None

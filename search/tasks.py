@@ -14,7 +14,7 @@ from tvm import relax, tirx
 from tvm.target import Target
 
 from tvm_ext.schedules.analysis import is_reduce_subgraph
-from tvm_ext.schedules import contraction_template
+from tvm_ext.schedules import contraction_template, tunable
 from tvm_ext.pipeline import fused_variants
 from tvm_ext.records import task_key
 from tvm_ext.relax.bindings import CALL_TIR
@@ -56,8 +56,9 @@ def extract_tasks(mods, target, **options) -> list[Task]:
             for gv, func in sorted(fused.functions_items(), key=lambda item: item[0].name_hint):
                 if not isinstance(func, tirx.PrimFunc):
                     continue
-                if not (is_reduce_subgraph(func) or gpu and contraction_template(func, target) is not None):
-                    continue
+                if not (is_reduce_subgraph(func) and tunable(func, target)
+                        or gpu and contraction_template(func, target) is not None):
+                    continue  # a symbolic row width's classes are chosen per call: not one task
                 key = task_key(func, target)
                 first = tasks.get(key)
                 weight = (0 if key in counted else counts.get(gv.name_hint, 0)) + (first.weight if first else 0)

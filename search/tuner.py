@@ -96,7 +96,8 @@ def tune_model(mod, target, trials: int, log: str, resume: bool = False, warm_st
     target = parse_target(target)
     tasks = extract_tasks(mod, target, variance=variance)
     if not tasks:
-        raise ValueError("the model has no fused reduce subgraph for tvm_ext to tune")
+        raise ValueError("the model has no fused reduce subgraph for tvm_ext to tune (rows of a symbolic width are "
+                         "not tuned: their width classes are chosen per call)")
     logged = _open_log(log, resume)
     keys = {task.key for task in tasks}
     others = [rec for path in warm_start for rec in read_records(path)]

@@ -129,6 +129,38 @@ def test_database_knobs_replace_the_heuristic(tmp_path):
     assert "__launch_bounds__(64)" in tuned and "p0_shared_dyn_ptr" not in tuned
 
 
+def test_a_record_for_a_symbolic_width_leaves_its_width_classes(tmp_path):
+    """A row of symbolic width is built as width classes chosen per call (vectors, rows in registers):
+    it is not a tuning task, and a log's record for it (an older tuner's) does not replace them with
+    the one kernel measured at one width."""
+    from tvm_ext.search.tasks import extract_tasks  # noqa: PLC0415
+
+    mod = relax_module("softmax", ["b", "s"], "float16")
+    target = tvm_ext.parse_target(CUDA_TARGET)
+    assert extract_tasks(mod, target) == []
+    (name, func), = fused_reduce_functions(mod, target).items()
+    log = tmp_path / "log.jsonl"
+    append_record(log, func, target, name, {"strategy": "block_row", "threads": 64, "vec": 1, "cache": False}, us=1.0)
+    plain, logged = (tvm_ext.build(mod, CUDA_TARGET, **kwargs) for kwargs in ({}, {"database": log}))
+    assert tvm_ext.cuda_kernels(logged) == tvm_ext.cuda_kernels(plain) and len(tvm_ext.cuda_kernels(plain)) == 16
+    assert "__launch_bounds__(64)" not in tvm_ext.cuda_source(logged)
+
+
+def test_a_record_for_symbolic_rows_keeps_the_class_of_fewer_rows_than_sms(tmp_path):
+    """The record was measured at one row count: it replaces the kernel for many rows, and a decoding
+    step's few rows keep theirs."""
+    mod = relax_module("layer_norm", ["n", 4096], "float16")
+    target = tvm_ext.parse_target(CUDA_TARGET)
+    (name, func), = fused_reduce_functions(mod, target).items()
+    log = tmp_path / "log.jsonl"
+    append_record(log, func, target, name, {"strategy": "block_row", "threads": 64, "vec": 8, "cache": False}, us=1.0)
+    plain, logged = (tvm_ext.build(mod, CUDA_TARGET, **kwargs) for kwargs in ({}, {"database": log}))
+    assert len(tvm_ext.cuda_kernels(logged)) == len(tvm_ext.cuda_kernels(plain)) == 4  # two classes, int32 and int64
+    def threads(ex) -> dict:  # {class: threads a block}, the few-row class first (v0)
+        return {v: int(t) for t, v in re.findall(r"__launch_bounds__\((\d+)\) layer_norm_v(\d)_kernel", tvm_ext.cuda_source(ex))}
+    assert threads(logged) == {"0": threads(plain)["0"], "1": 64} and threads(plain)["1"] != 64
+
+
 def test_unusable_log_lines_are_skipped_with_a_warning(tmp_path):
     mod, name, func = _layer_norm_task(CUDA_TARGET)
     log = tmp_path / "log.jsonl"
@@ -234,7 +266,7 @@ def _unlowerable(a: T.Buffer((128,), "float32"), b: T.Buffer((1,), "float32")):
 def test_schedule_that_fails_in_lowering_falls_back(monkeypatch):
     from tvm_ext import schedules  # noqa: PLC0415
 
-    monkeypatch.setattr(schedules, "scheduled", lambda func, target: [(None, {}, s_tir.Schedule(_unlowerable))])
+    monkeypatch.setattr(schedules, "scheduled", lambda func, target, knobs=None: [(None, {}, s_tir.Schedule(_unlowerable))])
     with pytest.warns(UserWarning, match=r"tvm_ext: softmax: tvm_ext reduction templates failed \(InternalError: .*\); falling back to TVM.s default"):
         ex = tvm_ext.build(relax_module("softmax", [8, 300], "float32"), CUDA_TARGET)
     assert tvm_ext.cuda_kernels(ex) == ["softmax_kernel"]  # TVM's rules built the original function

@@ -67,10 +67,9 @@ class ScheduleReductions:
         for gv, func in list(mod.functions_items()):
             if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False) or not is_reduce_subgraph(func):
                 continue
-            knobs = self.database.lookup(func, target) if self.database else None
+            knobs = self.database.lookup(func, target) if self.database and schedules.tunable(func, target) else None
             try:
-                kernels = ([(None, schedules.schedule(func, target, knobs))] if knobs else
-                           [(cond, sch) for cond, _, sch in schedules.scheduled(func, target)])
+                kernels = [(cond, sch) for cond, _, sch in schedules.scheduled(func, target, knobs)]
                 for _, sch in kernels if "gpu" in target.keys else []:  # CPU schedules are plain loops
                     if sch is not None:
                         check_builds(sch.mod["main"], gv.name_hint, target)
