@@ -294,8 +294,10 @@ def schedule_rows(pattern: ReducePattern, threads: int, rows_per_block: int, vec
     width = const_int(pattern.reduce_extent)
     steps = None
     if registers and width is None:
+        # a lane's registers need a bound TVM can prove (dispatch.in_vectors spells it in), and an
+        # epilogue that takes the stage's chunks
         if max_extent is None or pattern.epilogue is None or not _bounded(pattern.reduce_extent, max_extent):
-            return None  # a lane's registers need a bound (dispatch.in_vectors spells it); the epilogue takes the stage's chunks
+            return None
         steps = -(-int(max_extent) // (threads * vec))
     elif cache and not stage_is_bounded(pattern, rows_per_block):
         return None
