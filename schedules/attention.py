@@ -286,12 +286,17 @@ def sizes(args: dict) -> tuple:
     return args["batch"], args["seq_q"], args["seq_kv"], args["dim"]
 
 
+def any_length(args: dict) -> bool:
+    """Whether a recipe's kernel was built for any length (a symbolic size)."""
+    return not all(isinstance(x, int) for x in sizes(args))
+
+
 def at_lengths(func: tirx.PrimFunc, lengths: dict, default: int) -> tirx.PrimFunc:
     """`func` made again with each symbolic length set to `lengths[its name]` (`default` where not
     given), its other attributes kept: a kernel built for any length takes the length as a scalar
     argument, so a tuning run measures it as the kernel of one length (its knobs are the same)."""
     args = recipe(func)
-    if all(isinstance(x, int) for x in sizes(args)):
+    if not any_length(args):
         return func
     analyzer = tvm.sym.Analyzer()
 

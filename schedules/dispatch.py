@@ -114,8 +114,12 @@ def tunable(func: tirx.PrimFunc, target: Target) -> bool:
     GPU, whose width classes are chosen per call by the width (a point measured at one width would
     replace every class, their vectors and registers with it)."""
     pattern = match(func)
-    return not (pattern is not None and device_of(target).is_gpu and pattern.layout == ROW
-                and const_int(pattern.reduce_extent) is None)
+    return pattern is None or not _width_classed(pattern, device_of(target))
+
+
+def _width_classed(pattern, device) -> bool:
+    """Whether the pattern's kernels are width classes: GPU rows of a symbolic width."""
+    return device.is_gpu and pattern.layout == ROW and const_int(pattern.reduce_extent) is None
 
 
 def _plan(func, target, build: bool, knobs: dict | None = None) -> list[tuple]:
@@ -124,8 +128,8 @@ def _plan(func, target, build: bool, knobs: dict | None = None) -> list[tuple]:
     pattern, device = match(func), device_of(target)
     if pattern is None:
         return []
-    extent = pattern.reduce_extent
-    if device.is_gpu and pattern.layout == ROW and const_int(extent) is None:
+    if _width_classed(pattern, device):
+        extent = pattern.reduce_extent
         return [(condition, class_knobs, _width_class_schedule(func, target, extent, class_knobs) if build else None)
                 for condition, class_knobs in width_classes(pattern)]
     found = (knobs, schedule(func, target, knobs)) if knobs else _first_applicable(func, pattern, device)

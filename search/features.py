@@ -203,7 +203,7 @@ def candidate_features(func: tirx.PrimFunc, points: list[dict], target: Target) 
         return np.stack([gemv_features(n, k, item, knobs, folded.ivs is not None, device) for knobs in points])
     if points[0]["strategy"] == attention.NAME:
         args = attention.recipe(attention.at_lengths(func, {}, NOMINAL))  # a symbolic length at NOMINAL
-        symbolic = not all(isinstance(x, int) for x in attention.sizes(attention.recipe(func)))
+        symbolic = attention.any_length(attention.recipe(func))
         return np.stack([attention_features(args, knobs, device, symbolic) for knobs in points])
     if points[0]["strategy"] == conv2d.NAME:
         sch, _, block, epilogue = conv2d.convolution(func)
