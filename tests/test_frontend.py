@@ -221,13 +221,15 @@ class PositionEmbedding(torch.nn.Module):
     {0: {1: ("seq", 1, 512)}, 1: {1: "seq"}},  # a bare name takes the range given for it elsewhere
     {0: {1: Dim("seq", max=512)}, 1: {1: Dim("seq", max=512)}}], ids=["tuple", "Dim"])
 def test_bounded_dynamic_dims_import_and_run_every_length(dynamic):
-    """The bound reaches the Relax function, and the slice of the position ids builds: TVM clamped its
-    length to min(seq, 512), a shape no other tensor has, and the build failed."""
+    """The bound reaches the Relax function under the dim's name (torch.export names it s0, s27, ...;
+    a tuning run's --dims seq=512 names it as the user did), and the slice of the position ids
+    builds: TVM clamped its length to min(seq, 512), a shape no other tensor has, and the build failed."""
     torch.manual_seed(0)
     module = PositionEmbedding()
     x, mask = torch.randn(1, 16, 8), torch.ones(1, 16)
     mod = tvm_ext.from_torch(module, x, mask, dynamic=dynamic)
-    assert list(mod["main"].attrs["tir_var_upper_bound"].values()) == [512]
+    assert {k: int(v) for k, v in mod["main"].attrs["tir_var_upper_bound"].items()} == {"seq": 512}
+    assert [str(p.ty.shape.values[1]) for p in mod["main"].params] == ["seq", "seq"]
     executable = tvm_ext.build(mod, "llvm")
     for seq in (3, 512):
         x, mask = torch.randn(1, seq, 8), (torch.rand(1, seq) > 0.3).float()

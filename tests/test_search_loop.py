@@ -59,6 +59,9 @@ def test_an_existing_log_is_never_overwritten_and_bad_arguments_are_named(tmp_pa
         tune_model(mod, TARGET, trials=2, log=str(tmp_path / "missing.json"), resume=True, progress=False)
     with pytest.raises(ValueError, match="trials must be >= 0"):
         tune_model(mod, TARGET, trials=-1, log=str(tmp_path / "new.json"), progress=False)
+    with pytest.raises(ValueError, match="dims seq name no symbolic dim of the model's tasks; theirs: none"):
+        tune_model(mod, TARGET, trials=2, log=str(tmp_path / "new.json"), dims={"seq": 512}, progress=False)
+    assert not (tmp_path / "new.json").exists()
 
 
 def _linear_bias(m, n, k):

@@ -295,7 +295,32 @@ def from_torch(module, *example, dynamic: dict | None = None) -> tvm.IRModule:
         raise UnsupportedOperatorError(missing)
     mod = from_exported_program(program, keep_params_as_input=False, custom_convert_map=CONVERTERS,
                                 run_ep_decomposition=False)
-    return _with_bound_checks(mod, per_input) if per_input else mod
+    return _with_bound_checks(_named_dims(mod, per_input), per_input) if per_input else mod
+
+
+def _named_dims(mod: tvm.IRModule, per_input: list) -> tvm.IRModule:
+    """`mod` whose symbolic dims carry the names `dynamic` gave them (torch.export names its own,
+    `s27`), so that the dims a tuning run is measured at (`--dims seq=512`) and TVM's messages use
+    the user's names. A dim whose name another symbolic dim already has, or that is no identifier
+    (kernels take a symbolic size as an argument of that name), keeps torch's name."""
+    main = mod["main"]
+    sizes = [param.ty.shape.values if isinstance(param.ty, relax.TensorType) and param.ty.shape is not None else ()
+             for param in main.params]
+    renamed = {}
+    for shape, dims in zip(sizes, per_input):
+        for axis, dim in (dims or {}).items():
+            size = shape[axis] if axis < len(shape) else None
+            if isinstance(size, tvm.tirx.Var) and size.name != dim.__name__ and dim.__name__.isidentifier():
+                renamed.setdefault(size.name, (size, dim.__name__))
+    taken = {str(v) for shape in sizes for v in shape if isinstance(v, tvm.tirx.Var)} - set(renamed)
+    renamed = {old: (var, new) for old, (var, new) in renamed.items() if new not in taken}
+    if not renamed:
+        return mod
+    main = main.bind_symbolic_vars({var: tvm.tirx.Var(new, var.ty) for var, new in renamed.values()})
+    bounds = {key: {renamed.get(name, (None, name))[1]: value for name, value in main.attrs[key].items()}
+              for key in ("tir_var_lower_bound", "tir_var_upper_bound") if main.attrs and key in main.attrs}
+    mod["main"] = main.with_attrs(bounds) if bounds else main
+    return mod
 
 
 def _with_bound_checks(mod: tvm.IRModule, per_input: list) -> tvm.IRModule:
