@@ -17,6 +17,8 @@ WIDTH_IN_VECTORS = "tvm_ext.width_in_vectors"
 PIVOT = "tvm_ext.pivot"
 GRID_SYNC = "cooperative_groups::this_grid().sync"  # a grid barrier, printed by CUDA codegen as a call
 
+NOMINAL = 4096  # a symbolic size where none is given: what a tuning run measures it at, what features take
+
 GATE_RUN = 8  # columns: a gated product's joint weight alternates runs of this many gate and up rows
 
 WARP = 32  # lanes of the matmul template's warp tile, the loop tir/tensorize.py matches

@@ -6,6 +6,7 @@ means no strategy fits, like dlight, and the caller falls back to TVM."""
 
 from __future__ import annotations
 
+import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.target import Target
@@ -13,7 +14,7 @@ from tvm.target import Target
 from . import (attention, block_row, column_reduce, column_split, conv2d, cpu_rows, few_row_matmul, gemv, grid_reduce,
                grid_sync, matmul, warp_row, wgmma_matmul)
 from .analysis import ROW, const_int, match
-from .contracts import WIDTH_IN_VECTORS
+from .contracts import NOMINAL, WIDTH_IN_VECTORS
 from .device import device_of
 from .rows import REGISTERS, fits_registers, widest_lanes
 
@@ -34,6 +35,7 @@ CONTRACTIONS = {s.NAME: s for s in (gemv, matmul, wgmma_matmul, conv2d, attentio
 DYNAMIC_ROW_VARIANTS = [
     (1024, {"strategy": "warp_row", "group": 32, "rows_per_block": 4, "cache": False}),
     (4096, {"strategy": "block_row", "threads": 256, "cache": False}),
+    (8192, {"strategy": "block_row", "threads": 256, "cache": False}),
     (16384, {"strategy": "block_row", "threads": 512, "cache": False}),
     (None, {"strategy": "block_row", "threads": 1024, "cache": False}),
 ]
@@ -53,7 +55,17 @@ def width_classes(pattern) -> list[tuple]:
             classes.append((aligned if within is None else tirx.And(within, aligned),
                             dict(knobs, vec=lanes, max_extent=bound, cache=cache)))
         classes.append((within, dict(knobs, vec=1, max_extent=bound)))
-    return classes
+    return [(condition, knobs) for i, (condition, knobs) in enumerate(classes)
+            if not _served_by_next(knobs, [later for _, later in classes[i + 1:]])]
+
+
+def _served_by_next(knobs: dict, later: list) -> bool:
+    """Whether a width class that re-reads its rows builds the kernel of the next class of its
+    vector width (their knobs but the bound agree: 4096 and 8192 columns over 256 threads), so
+    that the next one serves both."""
+    following = next((k for k in later if k["vec"] == knobs["vec"]), None)
+    unbounded = lambda k: {key: value for key, value in k.items() if key != "max_extent"}  # noqa: E731
+    return knobs["cache"] != REGISTERS and following is not None and unbounded(following) == unbounded(knobs)
 
 
 def few_rows_class(func: tirx.PrimFunc, pattern, device, knobs: dict) -> tuple | None:
@@ -193,13 +205,16 @@ def contraction_template(func: tirx.PrimFunc, target: Target | None = None):
 MATMUL_ROW_CLASSES = [(16, 16), (64, 64), (256, 256), (512, 512), (1024, 1024), (2048, 2048), (None, 8192)]
 
 
-def contraction_kernels(func: tirx.PrimFunc, target: Target) -> list[tuple]:
+def contraction_kernels(func: tirx.PrimFunc, target: Target, logged=()) -> list[tuple]:
     """The kernels for a contraction `func` (GPU): [(condition over its symbolic dims, knobs,
     Schedule)], the last condition None; one for static sizes, one per row class
     (MATMUL_ROW_CLASSES, few_row_matmul for the fewest) for a symbolic row count; [] when no
-    template of ours takes it."""
+    template of ours takes it. `logged`: tuning records' [(dims, knobs)], fastest first, each
+    measured at the row count `dims` gives: the first for a class replaces the heuristic's kernel
+    of that class where it is of the same template (one row count's point says nothing of the
+    others' tiles)."""
     template, device = contraction_template(func, target), device_of(target)
-    rows = symbolic_rows(func) if template in (matmul, wgmma_matmul) else None
+    rows = class_rows(func, target)
     if rows is None:
         found = _heuristic(func, target)
         return [(None, *found)] if found else []
@@ -217,7 +232,30 @@ def contraction_kernels(func: tirx.PrimFunc, target: Target) -> list[tuple]:
         if kernels and kernels[-1][1] == found[0]:
             kernels.pop()
         kernels.append((None if bound is None else rows <= bound, *found))
+    replaced = set()
+    for dims, knobs in logged:
+        at = row_class_at(kernels, dims)
+        if at not in replaced and kernels[at][1]["strategy"] == knobs["strategy"]:
+            replaced.add(at)
+            if knobs != kernels[at][1]:
+                kernels[at] = (kernels[at][0], knobs, template.apply(func, knobs))
     return kernels
+
+
+def class_rows(func: tirx.PrimFunc, target: Target):
+    """The symbolic row count over whose classes `func`'s kernels are chosen (a tensor-core matmul
+    on a GPU with a symbolic row count, MATMUL_ROW_CLASSES), else None."""
+    template = contraction_template(func, target) if device_of(target).is_gpu else None
+    return symbolic_rows(func) if template in (matmul, wgmma_matmul) else None
+
+
+def row_class_at(kernels: list, dims: dict) -> int:
+    """Index of the kernel of `kernels` (contraction_kernels') that serves the symbolic sizes
+    `dims` (by name, NOMINAL where not given): the first whose condition holds there."""
+    def holds(condition) -> bool:
+        fixed = tvm_ffi.structural_map(condition, (tirx.Var, lambda v: tirx.const(int(dims.get(v.name, NOMINAL)), v.ty)))
+        return bool(int(tvm.sym.Analyzer().simplify(fixed)))
+    return next(i for i, (condition, *_) in enumerate(kernels) if condition is None or holds(condition))
 
 
 def symbolic_rows(func: tirx.PrimFunc):
@@ -243,9 +281,13 @@ def _heuristic(func: tirx.PrimFunc, target: Target) -> tuple | None:
     return None if pattern is None else _first_applicable(func, pattern, device)
 
 
-def heuristic_knobs(func: tirx.PrimFunc, target: Target) -> dict | None:
+def heuristic_knobs(func: tirx.PrimFunc, target: Target, dims: dict | None = None) -> dict | None:
     """The knobs the heuristic picks for `func` (a fused reduction, or on a GPU a tensor-core
-    matmul or a convolution), or None if no strategy fits it."""
+    matmul or a convolution), or None if no strategy fits it. A matmul over a symbolic row count:
+    those of its row class at `dims` (symbolic sizes by name, NOMINAL where not given)."""
+    if class_rows(func, target) is not None:
+        kernels = contraction_kernels(func, target)
+        return kernels[row_class_at(kernels, dims or {})][1] if kernels else None
     found = _heuristic(func, target)
     return found[0] if found else None
 

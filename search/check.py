@@ -34,6 +34,18 @@ def _concrete(shape, dims: dict) -> list[int]:
     return [int(d.value) if hasattr(d, "value") else int(dims.get(d.name, NOMINAL)) for d in shape]
 
 
+def symbolic_names(func) -> set[str]:
+    """Names of `func`'s symbolic dims (in a parameter's shape, or a scalar parameter)."""
+    shapes = [p.ty.shape if hasattr(p.ty, "shape") else [p] for p in func.params]
+    return {v.name for shape in shapes for d in shape if not isinstance(d, (int, tirx.IntImm))
+            for v in tirx.analysis.undefined_vars(d)}
+
+
+def measured_dims(func, dims: dict | None = None) -> dict:
+    """{name: size} of each symbolic dim of `func` as a tuning run measures it: `dims`'s, else NOMINAL."""
+    return {name: int((dims or {}).get(name, NOMINAL)) for name in sorted(symbolic_names(func))}
+
+
 def measured(func, dims: dict | None = None):
     """`func` as its candidates are built and timed: a kernel that takes a symbolic length as a
     scalar argument (a fused attention built for any length) made at the length `dims` gives

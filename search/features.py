@@ -17,12 +17,11 @@ from tvm.target import Target
 from tvm_ext.schedules import attention, conv2d, gemv, matmul, wgmma_matmul
 from tvm_ext.schedules.few_row_matmul import VECTOR, weight_streaming_matmul
 from tvm_ext.schedules.analysis import ReducePattern, const_int, match
-from tvm_ext.schedules.contracts import WARP
+from tvm_ext.schedules.contracts import NOMINAL, WARP
 from tvm_ext.schedules.device import Device, device_of
 from tvm_ext.schedules.dispatch import STRATEGIES
 from tvm_ext.schedules.rows import REGISTERS, cached_inputs, estimated_registers, row_bytes
 
-NOMINAL = 4096  # stands for a symbolic extent
 NAMES = tuple(f"is_{name}" for name in STRATEGIES) + ("is_matmul", "is_conv2d") + (
     "log2_row_elements", "log2_rows", "log2_bytes", "reductions", "elementwise_epilogue", "symbolic",
     "threads", "log2_blocks", "waves", "sm_utilisation", "occupancy", "log2_bytes_per_thread", "vector_bytes",

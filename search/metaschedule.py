@@ -96,7 +96,7 @@ def export_metaschedule(log_path, tasks, target, out_dir) -> dict:
         if task.key not in best:
             skipped[task.key] = {"task": task.name, "reason": "no successful record in the log"}
             continue
-        us, knobs = best[task.key]
+        us, knobs, _ = best[task.key]
         record, reason = tuning_record(task.func, target, knobs, us)
         if record is None:
             skipped[task.key] = {"task": task.name, "reason": reason}

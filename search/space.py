@@ -13,9 +13,10 @@ from tvm_ext.schedules.device import device_of
 from tvm_ext.schedules.dispatch import STRATEGIES, contraction_template, heuristic_knobs
 
 
-def knob_space(func: tirx.PrimFunc, target: Target) -> list[dict]:
+def knob_space(func: tirx.PrimFunc, target: Target, dims: dict | None = None) -> list[dict]:
     """The points of every strategy that fits `func` on `target`, in the heuristic's strategy order,
-    the heuristic's own point first (the tuner's first batch then holds what an untuned build runs)."""
+    the heuristic's own point (at the symbolic sizes `dims`) first: the tuner's first batch then
+    holds what an untuned build runs."""
     device = device_of(target)
     template = contraction_template(func, target) if device.is_gpu else None
     if template is not None:  # the matmul (thread-level or wgmma) or conv2d template's points that fit
@@ -25,5 +26,5 @@ def knob_space(func: tirx.PrimFunc, target: Target) -> list[dict]:
         if pattern is None:
             return []
         points = [point for strategy in STRATEGIES.values() for point in strategy.knob_space(pattern, device)]
-    default = heuristic_knobs(func, target)
+    default = heuristic_knobs(func, target, dims)
     return points if default is None else [default] + [point for point in points if point != default]

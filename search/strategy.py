@@ -14,6 +14,7 @@ import numpy as np
 from tvm_ext.schedules.dispatch import heuristic_knobs
 from tvm_ext.records import append_record
 
+from .check import measured_dims
 from .cost_model import CostModel
 from .features import SCHEMA, candidate_features
 from .measure import Result
@@ -30,8 +31,9 @@ class TaskSearch:
         """`past`: this task's records already in the log (a resumed run): they count as trials."""
         self.task, self.target, self.log, self.dims = task, target, log, dims or {}
         self.batch, self.epsilon, self.patience = batch, epsilon, patience
-        self.points = knob_space(task.func, target)
-        self.heuristic = heuristic_knobs(task.func, target)  # knob_space holds it
+        self.points = knob_space(task.func, target, self.dims)
+        self.heuristic = heuristic_knobs(task.func, target, self.dims)  # knob_space holds it
+        self.at = measured_dims(task.func, self.dims)  # the symbolic sizes its records are measured at
         self.x = candidate_features(task.func, self.points, target)
         self.budget = min(budget, len(self.points))
         self.rng, self.model = random.Random(seed), CostModel()
@@ -42,6 +44,8 @@ class TaskSearch:
         for rec in past:
             if (rec.get("error") or "").startswith(WORKER_DID_NOT_START):
                 continue  # the machinery failed, not the candidate: measure it again
+            if measured_dims(task.func, rec.get("dims")) != self.at:
+                continue  # measured at other symbolic sizes
             i = self.points.index(rec["knobs"]) if rec["knobs"] in self.points else None
             if i is not None and i not in self.measured:
                 self.measured.append(i)
@@ -82,7 +86,7 @@ class TaskSearch:
         self.results.append(result)
         append_record(self.log, self.task.func, self.target, self.task.name, result.knobs,
                       None if result.error else result.best_us, result.error, result.us,
-                      {"schema": SCHEMA, "values": [float(v) for v in self.x[i]]})
+                      {"schema": SCHEMA, "values": [float(v) for v in self.x[i]]}, self.at)
 
     def curve(self) -> list[float]:
         """Best latency so far after each trial (inf until one succeeds)."""

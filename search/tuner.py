@@ -10,13 +10,11 @@ import logging
 import os
 from dataclasses import dataclass
 
-from tvm import tirx
-
 from tvm_ext.records import read_records
 from tvm_ext.target import parse_target
 
 from .cost_model import CostModel, logged_groups
-from .check import measured, task_bytes, task_flops
+from .check import measured, symbolic_names, task_bytes, task_flops
 from .measure import Measurer
 from .scheduler import tune
 from .strategy import TaskSearch
@@ -100,10 +98,11 @@ def tune_model(mod, target, trials: int, log: str, resume: bool = False, warm_st
     if not tasks:
         raise ValueError("the model has no fused reduce subgraph for tvm_ext to tune (rows of a symbolic width are "
                          "not tuned: their width classes are chosen per call)")
-    unknown = sorted(set(dims or {}) - symbolic_dims(tasks))
+    names = set().union(*(symbolic_names(task.func) for task in tasks))
+    unknown = sorted(set(dims or {}) - names)
     if unknown:
         raise ValueError(f"dims {', '.join(unknown)} name no symbolic dim of the model's tasks; theirs: "
-                         f"{', '.join(sorted(symbolic_dims(tasks))) or 'none'}")
+                         f"{', '.join(sorted(names)) or 'none'}")
     logged = _open_log(log, resume)
     keys = {task.key for task in tasks}
     others = [rec for path in warm_start for rec in read_records(path)]
@@ -121,14 +120,6 @@ def tune_model(mod, target, trials: int, log: str, resume: bool = False, warm_st
         if model.booster is not None:
             model.save(model_path(log))
     return [_report(s, dims, copy) for s in searches]
-
-
-def symbolic_dims(tasks) -> set[str]:
-    """Names of the symbolic dims of `tasks`' parameters (in a tensor's shape or a scalar argument),
-    what `dims` may set."""
-    shapes = [p.ty.shape if hasattr(p.ty, "shape") else [p] for task in tasks for p in task.func.params]
-    return {v.name for shape in shapes for d in shape if not isinstance(d, (int, tirx.IntImm))
-            for v in tirx.analysis.undefined_vars(d)}
 
 
 def _report(search: TaskSearch, dims, copy_gbps: float) -> TaskReport:

@@ -13,8 +13,9 @@ from bench.suite import relax_module
 from conftest import CUDA_TARGET
 from barriers import divergent_barriers
 from helpers import CASES
+from tvm_ext import schedules
+from tvm_ext.pipeline import fused_reduce_functions
 from tvm_ext.schedules import block_row, warp_row
-from tvm_ext.schedules.dispatch import DYNAMIC_ROW_VARIANTS
 
 # bn_stats (mean and variance of the same x) is paired into one Welford kernel.
 KERNELS: dict = {}
@@ -22,7 +23,7 @@ KERNELS: dict = {}
 
 def expected_kernels(case) -> int:
     """One per fused function, times the width classes when the row width is symbolic (each bound
-    twice: widths a vector divides, and the rest), or two over a symbolic row count for a LayerNorm
+    twice, widths a vector divides and the rest, less scalar classes alike), or two over a symbolic row count for a LayerNorm
     of block_row's widths or float32 rows that many rows keep in registers (fewer rows than SMs, and
     the rest), times the int32 and int64 versions when any dim is (tvm_ext/tir/narrowing.py)."""
     symbolic_width = isinstance(case["shape"][-1], str)
@@ -31,9 +32,17 @@ def expected_kernels(case) -> int:
     few_rows = symbolic and not symbolic_width and (
         case["op"] == "layer_norm" and row_bytes > warp_row.MAX_ROW_BYTES
         or case["dtype"] == "float32" and row_bytes >= block_row.REGISTER_ROW_BYTES)
-    classes = 2 * len(DYNAMIC_ROW_VARIANTS) if symbolic_width else 2 if few_rows else 1
+    classes = width_classes(case) if symbolic_width else 2 if few_rows else 1
     return KERNELS.get(case["op"], 1) * classes * (2 if symbolic else 1)
 _built = {}
+
+
+def width_classes(case) -> int:
+    """Kernels planned for a fused function of a symbolic-width case (dispatch.width_classes: a class
+    that re-reads its rows like the next one of its vector width is that one's)."""
+    target = tvm_ext.parse_target(CUDA_TARGET)
+    func = next(iter(fused_reduce_functions(relax_module(case["op"], case["shape"], case["dtype"]), target).values()))
+    return len(schedules.plan(func, target))
 
 
 def build_case(case):
@@ -107,16 +116,20 @@ def test_dynamic_rows_compile_to_an_int32_and_an_int64_kernel_with_symbolic_grid
 
 def test_symbolic_row_width_dispatches_between_variants_at_run_time():
     ex, src, _ = build_case(next(c for c in CASES if c["id"] == "sm-dyn-bxn-f16"))
-    assert tvm_ext.cuda_kernels(ex) == [f"softmax_v{i}{s}_kernel" for i in range(8) for s in ("_i32", "")]
+    assert tvm_ext.cuda_kernels(ex) == [f"softmax_v{i}{s}_kernel" for i in range(9) for s in ("_i32", "")]
     host = ex.as_text()
     calls = re.findall(r"call  (softmax\w*) ", host)
-    assert calls == [f"softmax_v{i}{s}" for i in range(8) for s in ("_i32", "")], "narrowest first, int32 first"
-    assert host.count("If    ") == 15, "seven width branches, and an int32/int64 branch per width class"
+    assert calls == [f"softmax_v{i}{s}" for i in range(9) for s in ("_i32", "")], "narrowest first, int32 first"
+    assert host.count("If    ") == 17, "eight width branches, and an int32/int64 branch per width class"
     kernel = lambda name: re.search(rf"{name}_kernel\([^)]*\) \{{(.*?)\n\}}", src, re.S).group(1)  # noqa: E731
     v0 = kernel("softmax_v0")
     assert "threadIdx.y" in v0 and "__shfl_down_sync" in v0  # warp_row: a warp per row, rows along y
-    assert re.search(r"__launch_bounds__\(1024\) softmax_v6_kernel", src)  # block_row for unbounded widths
-    for vector, scalar in [(f"softmax_v{i}", f"softmax_v{i + 1}") for i in range(0, 8, 2)]:
+    assert re.search(r"__launch_bounds__\(1024\) softmax_v7_kernel", src)  # block_row for unbounded widths
+    # widths up to 4096 no vector divides take the 8192 class's scalar kernel (v4): 256 threads re-reading
+    assert re.search(r"__launch_bounds__\(256\) softmax_v4_kernel", src)
+    assert re.search(r"\*\((half4|uint4)\*\)\(compute_ptr \+", kernel("softmax_v2"))
+    for vector, scalar in [("softmax_v0", "softmax_v1"), ("softmax_v3", "softmax_v4"), ("softmax_v5", "softmax_v6"),
+                           ("softmax_v7", "softmax_v8")]:
         # widths a multiple of 8 halves: vector stores of whole chunks (8 halves from registers, 4 lanes
         # of the epilogue's float32 math otherwise: rows.MAX_EPILOGUE_LANES), no per-element tail test
         assert re.search(r"\*\((half4|uint4)\*\)\(compute_ptr \+", kernel(vector)), vector

@@ -69,7 +69,7 @@ def test_a_failed_measurement_needs_an_error_text_and_is_never_the_best(tmp_path
     with pytest.warns(UserWarning, match=r"skipped 1 unusable line\(s\) of tuning log .*log.json: "
                                          r"line 3: error True is not a text$"):
         db = Database.load(log)
-    assert db.best == {task.key: (30.0, GOOD)}
+    assert db.best == {task.key: (30.0, GOOD, 1)}
 
 
 def test_undecodable_bytes_are_skipped_with_the_log_and_line_named(tmp_path):
@@ -84,7 +84,7 @@ def test_undecodable_bytes_are_skipped_with_the_log_and_line_named(tmp_path):
         assert [r["us"] for r in read_records(log)] == [10.0, 20.0]
     with pytest.warns(UserWarning, match=message):
         db = Database.load(log)
-    assert db.lookup(task.func, TARGET) == GOOD and db.lines == {task.key: 1}
+    assert db.lookup(task.func, TARGET) == GOOD and db.best[task.key][2] == 1
 
 
 def test_many_bad_lines_are_counted_and_the_first_five_named(tmp_path):

@@ -5,6 +5,7 @@ the others our tensor-core templates (wgmma on sm_90a, mma.sync elsewhere) with 
 class, their last row of tiles guarded, a block's tile computed once (inlined into every index, the
 divisions of a short last group made the kernel 8-15% slower than the static one at 512 rows)."""
 
+import json
 import re
 import warnings
 
@@ -103,6 +104,42 @@ def test_rows_that_are_an_expression_of_the_length_dispatch_on_it(arch):
 
     kernels = tvm_ext.cuda_kernels(build_quietly(main_module(body, [x]), {"kind": "cuda", "arch": arch}))
     assert sum(bool(re.search(r"_v\d+_kernel$", k)) for k in kernels) >= 2, kernels
+
+
+def test_a_record_stands_for_the_row_class_it_was_measured_in(tmp_path):
+    """A matmul built for any row count, tuned at 512 rows: its record replaces the kernel of the
+    class that serves 512 rows and no other (one record replaced every class, the few-row ones too:
+    the LLaMA layer built for any length ran 1.24x slower at 128 tokens with a log tuned at 512).
+    The tuner's baseline is that class's heuristic point, its records say the sizes they were
+    measured at, and a resumed run at other sizes does not count them; a record without sizes
+    stands for NOMINAL rows; a record for a few-row class, of another template, replaces nothing."""
+    from tvm_ext.records import Database, append_record  # noqa: PLC0415
+    from tvm_ext.schedules.dispatch import heuristic_knobs, row_class_at  # noqa: PLC0415
+    from tvm_ext.search.measure import Result  # noqa: PLC0415
+    from tvm_ext.search.strategy import TaskSearch  # noqa: PLC0415
+    from tvm_ext.search.tasks import extract_tasks  # noqa: PLC0415
+
+    target = tvm_ext.parse_target({"kind": "cuda", "arch": "sm_90a"})
+    (task,) = extract_tasks(linear(4096, 4096, "float16")[0], target)
+    log = tmp_path / "log.json"
+    with target:
+        kernels = contraction_kernels(task.func, target)
+        at, last = row_class_at(kernels, {"m": 512}), len(kernels) - 1
+        assert at not in (row_class_at(kernels, {"m": 16}), last) and row_class_at(kernels, {}) == last
+        search = TaskSearch(task, target, str(log), 8, {"m": 512})
+        assert search.heuristic == kernels[at][1] == search.points[0] == heuristic_knobs(task.func, target, {"m": 512})
+        heuristics = [knobs for _, knobs, _ in kernels]
+        tuned, nominal = [p for p in search.points if p not in heuristics][:2]
+        search._record(search.points.index(tuned), Result(tuned, [10.0], None))  # pylint: disable=protected-access
+        append_record(log, task.func, target, task.name, nominal, 20.0)
+        logged = Database.load(log).lookup_classes(task.func, target)
+        assert logged == [({"m": 512}, tuned), ({}, nominal)]
+        replaced = [knobs for _, knobs, _ in contraction_kernels(task.func, target, logged)]
+        assert replaced == heuristics[:at] + [tuned] + heuristics[at + 1:last] + [nominal]
+        assert [knobs for _, knobs, _ in contraction_kernels(task.func, target, [({"m": 8}, tuned)])] == heuristics
+        past = [rec for rec in map(json.loads, log.read_text().splitlines())]
+        assert len(TaskSearch(task, target, str(log), 8, {"m": 512}, past).measured) == 1
+        assert len(TaskSearch(task, target, str(log), 8, {"m": 2048}, past).measured) == 0
 
 
 @pytest.mark.gpu

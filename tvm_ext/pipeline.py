@@ -126,11 +126,13 @@ class ScheduleContractions:
             try:
                 if schedules.contraction_template(func, target) is None:
                     continue
-                knobs = self.database.lookup(func, target) if self.database else None
+                classed = schedules.class_rows(func, target) is not None  # its records stand for their row class
+                knobs = self.database.lookup(func, target) if self.database and not classed else None
                 if written and knobs in (None, attention.DEFAULT_KNOBS):
                     continue  # written at these knobs
+                logged = self.database.lookup_classes(func, target) if self.database and classed else ()
                 kernels = [(None, schedules.schedule(func, target, knobs))] if knobs else \
-                    [(cond, sch) for cond, _, sch in schedules.contraction_kernels(func, target)]
+                    [(cond, sch) for cond, _, sch in schedules.contraction_kernels(func, target, logged)]
                 rows = schedules.symbolic_rows(func)
                 one_row = _single_row_kernel(func, rows, target) if rows is not None else None
                 for sch in [sch for _, sch in kernels] + [one_row]:

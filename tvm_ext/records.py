@@ -108,8 +108,8 @@ class Database:
     those that take a record."""
 
     path: str
-    best: dict = field(default_factory=dict)  # key -> (us, knobs)
-    lines: dict = field(default_factory=dict)  # key -> line of its best record in the log
+    best: dict = field(default_factory=dict)  # key -> (us, knobs, line in the log) of its best record
+    by_dims: dict = field(default_factory=dict)  # key -> {sorted (name, size) measured at: (us, knobs, line)}
     targets: set = field(default_factory=set)  # target_name of every record
     asked: set = field(default_factory=set)  # task keys looked up
     taken: set = field(default_factory=set)  # task keys whose record was applied
@@ -122,13 +122,16 @@ class Database:
     @classmethod
     def from_records(cls, path: str | os.PathLike, records) -> "Database":
         """The best successful record per key of `records` ((line, record) pairs, or records
-        alone, read from `path`)."""
+        alone, read from `path`), and per key and the symbolic sizes it was measured at."""
         db = cls(os.fspath(path))
         for line, rec in (r if isinstance(r, tuple) else (None, r) for r in records):
             db.targets.add(rec.get("target"))
-            if rec.get("error") is None and (rec["key"] not in db.best or rec["us"] < db.best[rec["key"]][0]):
-                db.best[rec["key"]] = (float(rec["us"]), rec["knobs"])
-                db.lines[rec["key"]] = line
+            if rec.get("error") is not None:
+                continue
+            entry, at = (float(rec["us"]), rec["knobs"], line), tuple(sorted(rec.get("dims", {}).items()))
+            for table, slot in ((db.best, rec["key"]), (db.by_dims.setdefault(rec["key"], {}), at)):
+                if slot not in table or entry[0] < table[slot][0]:
+                    table[slot] = entry
         return db
 
     def warn_if_foreign(self, target: Target) -> None:
@@ -144,16 +147,35 @@ class Database:
         they are no point of their strategy's space for `func` on `target` (with a warning)."""
         key = task_key(func, target)
         self.asked.add(key)
-        if key not in self.best:
-            return None
-        knobs = self.best[key][1]
-        problem = knobs_problem(func, target, knobs)
-        if problem:
-            warnings.warn(f"tvm_ext: tuning log {self.path} line {self.lines[key]}: knobs {json.dumps(knobs, sort_keys=True)} "
-                          f"{problem}; using the heuristic schedule", stacklevel=2)
-            return None
-        self.taken.add(key)
-        return dict(knobs)
+        usable = self._usable(func, target, [self.best[key]] if key in self.best else [])
+        if usable:
+            self.taken.add(key)
+        return dict(usable[0]) if usable else None
+
+    def lookup_classes(self, func: tirx.PrimFunc, target: Target) -> list[tuple[dict, dict]]:
+        """[(symbolic sizes measured at, knobs)] of `func`'s best record at each, fastest first, less
+        those whose knobs are no point of its space (with a warning): for kernels chosen per call
+        by a symbolic size, where a record stands for the sizes it was measured at."""
+        key = task_key(func, target)
+        self.asked.add(key)
+        entries = sorted(self.by_dims.get(key, {}).items(), key=lambda item: item[1][0])
+        usable = self._usable(func, target, [entry for _, entry in entries])
+        if usable:
+            self.taken.add(key)
+        return [(dict(at), dict(entry[1])) for at, entry in entries if entry[1] in usable]
+
+    def _usable(self, func, target, entries: list) -> list[dict]:
+        """The knobs of `entries` ((us, knobs, line)) that are points of their strategy's space for
+        `func` on `target`; one warning for each that is not."""
+        usable = []
+        for _, knobs, line in entries:
+            problem = knobs_problem(func, target, knobs)
+            if problem:
+                warnings.warn(f"tvm_ext: tuning log {self.path} line {line}: knobs {json.dumps(knobs, sort_keys=True)} "
+                              f"{problem}; using the heuristic schedule", stacklevel=3)
+            else:
+                usable.append(knobs)
+        return usable
 
     def latency(self, func: tirx.PrimFunc, target: Target) -> float | None:
         """The best logged latency of `func` on `target` in us, or None when it has no record."""
@@ -175,8 +197,9 @@ def utc_now() -> str:
 
 def append_record(path: str | os.PathLike, func: tirx.PrimFunc, target: Target, task: str, knobs: dict,
                   us: float | None, error: str | None = None, samples: list | None = None,
-                  features: dict | None = None):
-    """Append one measurement (its best latency, or the error that made it fail).
+                  features: dict | None = None, dims: dict | None = None):
+    """Append one measurement (its best latency, or the error that made it fail); `dims`: the
+    sizes of `func`'s symbolic dims it was measured at (none: NOMINAL).
 
     One whole line per write under an exclusive lock, so tuners may share a log; a torn last line
     (a writer killed mid-line) is closed first, so it stays one skipped line and never swallows this one.
@@ -190,6 +213,8 @@ def append_record(path: str | os.PathLike, func: tirx.PrimFunc, target: Target, 
         rec["samples"] = [float(t) for t in samples]
     if features is not None:
         rec["features"] = features
+    if dims:
+        rec["dims"] = {name: int(size) for name, size in dims.items()}
     line = json.dumps(rec, sort_keys=True) + "\n"
     with open(path, "a+b") as log:  # writes always append; reads see the last byte
         fcntl.flock(log, fcntl.LOCK_EX)
