@@ -16,7 +16,7 @@ from tvm.s_tir.dlight.analysis import IterInfo, SBlockInfo, normalize_prim_func
 from tvm.ir.expr import TensorLoad  # what tirx.BufferLoad builds in 0.27
 from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
 
-from .contracts import PIVOT, WIDER
+from .contracts import NOMINAL, PIVOT, WIDER
 
 ROW = "row"  # the innermost reduce axis is the innermost (contiguous) axis of the input
 COLUMN = "column"  # the innermost input axis is a spatial one: reduce across rows
@@ -95,6 +95,15 @@ def const_int(expr) -> int | None:
     if isinstance(expr, int):
         return expr
     return int(expr.value) if isinstance(expr, tirx.IntImm) else None
+
+
+def at_sizes(expr, dims: dict | None) -> int:
+    """The value of `expr` (an extent, a condition) with each symbolic size set to `dims[its name]`
+    (NOMINAL where not given): what a tuning run measures a symbolic size at."""
+    if const_int(expr) is not None:
+        return const_int(expr)
+    fixed = tvm_ffi.structural_map(expr, (tirx.Var, lambda v: tirx.const(int((dims or {}).get(v.name, NOMINAL)), v.ty)))
+    return int(tvm.sym.Analyzer().simplify(fixed))
 
 
 def size_of(expr):

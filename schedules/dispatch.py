@@ -6,15 +6,14 @@ means no strategy fits, like dlight, and the caller falls back to TVM."""
 
 from __future__ import annotations
 
-import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.target import Target
 
 from . import (attention, block_row, column_reduce, column_split, conv2d, cpu_rows, few_row_matmul, gemv, grid_reduce,
                grid_sync, matmul, warp_row, wgmma_matmul)
-from .analysis import ROW, const_int, match
-from .contracts import NOMINAL, WIDTH_IN_VECTORS
+from .analysis import ROW, at_sizes, const_int, match
+from .contracts import WIDTH_IN_VECTORS
 from .device import device_of
 from .rows import REGISTERS, fits_registers, widest_lanes
 
@@ -252,10 +251,7 @@ def class_rows(func: tirx.PrimFunc, target: Target):
 def row_class_at(kernels: list, dims: dict) -> int:
     """Index of the kernel of `kernels` (contraction_kernels') that serves the symbolic sizes
     `dims` (by name, NOMINAL where not given): the first whose condition holds there."""
-    def holds(condition) -> bool:
-        fixed = tvm_ffi.structural_map(condition, (tirx.Var, lambda v: tirx.const(int(dims.get(v.name, NOMINAL)), v.ty)))
-        return bool(int(tvm.sym.Analyzer().simplify(fixed)))
-    return next(i for i, (condition, *_) in enumerate(kernels) if condition is None or holds(condition))
+    return next(i for i, (condition, *_) in enumerate(kernels) if condition is None or at_sizes(condition, dims))
 
 
 def symbolic_rows(func: tirx.PrimFunc):

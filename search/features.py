@@ -16,7 +16,7 @@ from tvm.target import Target
 
 from tvm_ext.schedules import attention, conv2d, gemv, matmul, wgmma_matmul
 from tvm_ext.schedules.few_row_matmul import VECTOR, weight_streaming_matmul
-from tvm_ext.schedules.analysis import ReducePattern, const_int, match
+from tvm_ext.schedules.analysis import ReducePattern, at_sizes, const_int, match
 from tvm_ext.schedules.contracts import NOMINAL, WARP
 from tvm_ext.schedules.device import Device, device_of
 from tvm_ext.schedules.dispatch import STRATEGIES
@@ -50,9 +50,9 @@ def _launch(knobs: dict, rows: int, device: Device) -> tuple[int, int, int, int]
     return 1, max(1, rows // max(1, device.sm_count)), int(knobs.get("lanes", 1)), 1  # cpu_rows
 
 
-def features(pattern: ReducePattern, knobs: dict, device: Device) -> np.ndarray:
-    rows = const_int(pattern.row_count) or NOMINAL
-    width = const_int(pattern.reduce_extent) or int(knobs.get("max_extent") or NOMINAL)
+def features(pattern: ReducePattern, knobs: dict, device: Device, dims: dict | None = None) -> np.ndarray:
+    rows = at_sizes(pattern.row_count, dims)
+    width = const_int(pattern.reduce_extent) or int(knobs.get("max_extent") or at_sizes(pattern.reduce_extent, dims))
     inputs = pattern.input_buffers()
     element_bytes = sum(pattern.dtype_bytes(b) for b in inputs) or 4
     threads, blocks, lanes, rows_per_block = _launch(knobs, rows, device)
@@ -77,17 +77,17 @@ def features(pattern: ReducePattern, knobs: dict, device: Device) -> np.ndarray:
     return np.asarray(values, dtype="float32")
 
 
-def _extents(block) -> tuple[list[int], bool]:
-    """A contraction block's loop extents, NOMINAL for a symbolic one (a row count: one build for
-    any sequence length), and whether one was."""
-    extents = [const_int(iv.dom.extent) for iv in block.iter_vars]
-    return [NOMINAL if e is None else e for e in extents], None in extents
+def _extents(block, dims: dict | None) -> tuple[list[int], bool]:
+    """A contraction block's loop extents, a symbolic one (a row count: one build for any sequence
+    length) at `dims` (NOMINAL where not given), and whether one was."""
+    extents = [iv.dom.extent for iv in block.iter_vars]
+    return [at_sizes(e, dims) for e in extents], any(const_int(e) is None for e in extents)
 
 
-def matmul_features(block, knobs: dict, epilogue: bool, device: Device) -> np.ndarray:
+def matmul_features(block, knobs: dict, epilogue: bool, device: Device, dims: dict | None = None) -> np.ndarray:
     """The same quantities for a tensor-core matmul candidate: each output is a row of K products
     reduced; its rows are the outputs (batch * M * N); the stage is the shared-memory operand tiles."""
-    (*batch, m, n, k), symbolic = _extents(block)
+    (*batch, m, n, k), symbolic = _extents(block, dims)
     item = matmul.operand_itemsize(block)
     bm, bn, bk, stages = (int(knobs[x]) for x in ("block_m", "block_n", "block_k", "stages"))
     outputs, threads = math.prod(batch) * m * n, bm // int(knobs["warp_m"]) * int(knobs["warp_n"]) * WARP
@@ -106,10 +106,10 @@ def matmul_features(block, knobs: dict, epilogue: bool, device: Device) -> np.nd
     return np.asarray(values, dtype="float32")
 
 
-def wgmma_features(block, knobs: dict, epilogue: bool, device: Device) -> np.ndarray:
+def wgmma_features(block, knobs: dict, epilogue: bool, device: Device, dims: dict | None = None) -> np.ndarray:
     """The same quantities for a wgmma matmul candidate (columns of the thread-level template's):
     a warpgroup per 64 rows, 64 of k per stage, a warp's tile 16 rows by block_n."""
-    (*batch, m, n, k), symbolic = _extents(block)
+    (*batch, m, n, k), symbolic = _extents(block, dims)
     bm, bn, stages = (int(knobs[x]) for x in ("block_m", "block_n", "stages"))
     outputs = math.prod(batch) * m * n
     threads = wgmma_matmul.block_threads(bm, bool(knobs.get("tma", 0)))
@@ -131,7 +131,7 @@ def conv2d_features(block, knobs: dict, epilogue: bool, device: Device) -> np.nd
     products; the stage is a step's input window and weights; lanes per row, the threads along a
     row of pixels, each writing `xi` adjacent outputs; the pipeline stages, the virtual threads;
     the warp tile, a thread's channels x rows times a warp."""
-    (n, f, y, x, c, r, s), symbolic = _extents(block)
+    (n, f, y, x, c, r, s), symbolic = _extents(block, None)
     item = tvm.DataType(str(block.writes[0].source.dtype)).bits // 8
     k = {name: int(value) for name, value in knobs.items() if name != "strategy"}
     tile = conv2d.block_tile(knobs)
@@ -187,25 +187,26 @@ def attention_features(args: dict, knobs: dict, device: Device, symbolic: bool =
     return np.asarray(values, dtype="float32")
 
 
-def candidate_features(func: tirx.PrimFunc, points: list[dict], target: Target) -> np.ndarray:
-    """[len(points), len(NAMES)] features of the candidates `points` of one task."""
+def candidate_features(func: tirx.PrimFunc, points: list[dict], target: Target, dims: dict | None = None) -> np.ndarray:
+    """[len(points), len(NAMES)] features of the candidates `points` of one task, its symbolic sizes
+    at `dims` (NOMINAL where not given: what the tuning run measures them at)."""
     if not points:
         return np.zeros((0, len(NAMES)))
     device = device_of(target)
     if points[0]["strategy"] in (matmul.NAME, wgmma_matmul.NAME):
         sch, block, epilogue = matmul.contraction(func, over_c=False)  # a gated epilogue too
         featurize = wgmma_features if points[0]["strategy"] == wgmma_matmul.NAME else matmul_features
-        return np.stack([featurize(sch.get(block), knobs, bool(epilogue), device) for knobs in points])
+        return np.stack([featurize(sch.get(block), knobs, bool(epilogue), device, dims) for knobs in points])
     if points[0]["strategy"] == gemv.NAME:
         block, folded, _, n, k = weight_streaming_matmul(func)
         item = matmul.operand_itemsize(block)
         return np.stack([gemv_features(n, k, item, knobs, folded.ivs is not None, device) for knobs in points])
     if points[0]["strategy"] == attention.NAME:
-        args = attention.recipe(attention.at_lengths(func, {}, NOMINAL))  # a symbolic length at NOMINAL
+        args = attention.recipe(attention.at_lengths(func, dims or {}, NOMINAL))
         symbolic = attention.any_length(attention.recipe(func))
         return np.stack([attention_features(args, knobs, device, symbolic) for knobs in points])
     if points[0]["strategy"] == conv2d.NAME:
         sch, _, block, epilogue = conv2d.convolution(func)
         return np.stack([conv2d_features(sch.get(block), knobs, bool(epilogue), device) for knobs in points])
     pattern = match(func)
-    return np.stack([features(pattern, knobs, device) for knobs in points])
+    return np.stack([features(pattern, knobs, device, dims) for knobs in points])

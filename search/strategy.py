@@ -34,7 +34,7 @@ class TaskSearch:
         self.points = knob_space(task.func, target, self.dims)
         self.heuristic = heuristic_knobs(task.func, target, self.dims)  # knob_space holds it
         self.at = measured_dims(task.func, self.dims)  # the symbolic sizes its records are measured at
-        self.x = candidate_features(task.func, self.points, target)
+        self.x = candidate_features(task.func, self.points, target, self.dims)
         self.budget = min(budget, len(self.points))
         self.rng, self.model = random.Random(seed), CostModel()
         self.measured: list = []  # indices into points, in measurement order

@@ -24,12 +24,12 @@ from tvm_ext.schedules import contraction_kernels, few_row_matmul
 from tvm_ext.schedules.dispatch import MATMUL_ROW_CLASSES
 
 
-def linear(n: int, k: int, dtype: str, residual: bool = True, seed: int = 0):
-    """(module of `x @ W^T (+ r)` over x [m, k] with m symbolic, W [n, k] a constant as torch.nn.Linear
-    keeps it, W)."""
+def linear(n: int, k: int, dtype: str, residual: bool = True, seed: int = 0, rows: int | None = None):
+    """(module of `x @ W^T (+ r)` over x [m, k] with m symbolic (`rows` where given), W [n, k] a
+    constant as torch.nn.Linear keeps it, W)."""
     rng = np.random.default_rng(seed)
     weight = (rng.standard_normal((n, k)) / 16).astype(dtype)
-    m = tirx.Var("m", "int64")
+    m = tirx.Var("m", "int64") if rows is None else rows
     x, r = relax.Var("x", relax.TensorType([m, k], dtype)), relax.Var("r", relax.TensorType([m, n], dtype))
 
     def body(bb, x, *rest):
@@ -140,6 +140,24 @@ def test_a_record_stands_for_the_row_class_it_was_measured_in(tmp_path):
         past = [rec for rec in map(json.loads, log.read_text().splitlines())]
         assert len(TaskSearch(task, target, str(log), 8, {"m": 512}, past).measured) == 1
         assert len(TaskSearch(task, target, str(log), 8, {"m": 2048}, past).measured) == 0
+
+
+def test_a_symbolic_row_task_is_featured_at_the_rows_it_is_measured_at():
+    """Its candidates' features are those of the same matmul built for 512 rows, but for the symbolic
+    column: the cost model learns from the size it measured (it took 4096 rows for every length)."""
+    from tvm_ext.search.features import NAMES, candidate_features  # noqa: PLC0415
+    from tvm_ext.search.strategy import TaskSearch  # noqa: PLC0415
+    from tvm_ext.search.tasks import extract_tasks  # noqa: PLC0415
+
+    target = tvm_ext.parse_target({"kind": "cuda", "arch": "sm_90a"})
+    (symbolic,) = extract_tasks(linear(4096, 4096, "float16")[0], target)
+    (static,) = extract_tasks(linear(4096, 4096, "float16", rows=512)[0], target)
+    search = TaskSearch(symbolic, target, "unused.json", 8, {"m": 512})
+    x, want = search.x, candidate_features(static.func, search.points, target)
+    flag = NAMES.index("symbolic")
+    assert (x[:, flag] == 1).all() and (want[:, flag] == 0).all()
+    np.testing.assert_array_equal(np.delete(x, flag, axis=1), np.delete(want, flag, axis=1))
+    assert not np.array_equal(x, candidate_features(symbolic.func, search.points, target))  # at 4096 rows
 
 
 @pytest.mark.gpu
