@@ -20,9 +20,8 @@ from tvm.ir.prim.expr import Cast
 from tvm.script import tirx as T
 
 from tvm_ext.schedules import attention, conv2d, matmul
-from tvm_ext.schedules.analysis import multiply_accumulate
-
-from .features import NOMINAL
+from tvm_ext.schedules.analysis import at_sizes, multiply_accumulate
+from tvm_ext.schedules.contracts import NOMINAL
 
 CHECK_CHUNK = 1 << 20  # elements compared per thread at a time (fits in cache)
 
@@ -31,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 def _concrete(shape, dims: dict) -> list[int]:
     """A buffer shape with symbolic dims set to `dims` (NOMINAL where not given)."""
-    return [int(d.value) if hasattr(d, "value") else int(dims.get(d.name, NOMINAL)) for d in shape]
+    return [at_sizes(d, dims) for d in shape]
 
 
 def symbolic_names(func) -> set[str]:
