@@ -243,7 +243,7 @@ def kernel(batch: int, seq_q: int, seq_kv: int, dim: int, scale: float, causal: 
     made = {"batch": batch, "seq_q": seq_q, "seq_kv": seq_kv, "dim": dim, "scale": float(scale), "causal": causal,
             "given": given, "mask": mask, "empty_rows_zero": empty_rows_zero, "dtype": dtype}
     return tirx.PrimFunc([q_buf, k_buf, v_buf, *([m_buf] if masked else []), *lengths, out_buf], attention.body,
-                         attention.ret_type, attention.attrs).with_attr(RECIPE, _encoded(made))
+                         attention.ret_type, attention.attrs).with_attr(RECIPE, encoded(made))
 
 
 # A tuning task: the kernel is written at DEFAULT_KNOBS before dispatch, carrying the arguments it was
@@ -254,31 +254,41 @@ KNOB_SPACE = {"warpgroups": (1, 2), "block_n": (64, 128)}
 DEFAULT_KNOBS = {"strategy": NAME, "warpgroups": 1, "block_n": 64}
 
 
-def _encoded(made: dict) -> dict:
-    """kernel()'s arguments as a function attribute: views as their pieces and offset."""
-    def view(v: StridedView) -> dict:
-        return {"axes": v.axes, "offset": v.offset}
-    given = {name: [shape, view(v)] for name, (shape, v) in (made["given"] or {}).items()}
-    mask = made["mask"] and [made["mask"][0], view(made["mask"][1]), made["mask"][2]]
-    return {**made, "given": given, "mask": mask}
+def _view(v: StridedView) -> dict:
+    return {"axes": v.axes, "offset": v.offset}
+
+
+def _plain(x):
+    """An attribute's ints and expressions as they were, its containers as tuples."""
+    return tuple(_plain(y) for y in x) if isinstance(x, (list, tuple, tvm_ffi.Array)) else x
+
+
+def _unview(v) -> StridedView:
+    return StridedView(_plain(v["axes"]), _plain(v["offset"]))
+
+
+def encoded(made: dict) -> dict:
+    """A kernel's arguments as a function attribute (RECIPE, decode_attention.RECIPE): the operand
+    views of `given` (and of `mask`, where there is one) as their pieces and offset."""
+    given = {name: [shape, _view(v)] for name, (shape, v) in (made["given"] or {}).items()}
+    mask = made.get("mask") and [made["mask"][0], _view(made["mask"][1]), made["mask"][2]]
+    return {**made, "given": given, **({"mask": mask} if "mask" in made else {})}
+
+
+def decoded(found) -> dict:
+    """The keyword arguments an attribute `encoded` holds."""
+    args = {str(key): _plain(value) for key, value in found.items() if key not in ("given", "mask")}
+    args["given"] = {str(name): (_plain(shape), _unview(v)) for name, (shape, v) in found["given"].items()}
+    if "mask" in found:
+        mask = found["mask"]
+        args["mask"] = None if mask is None else (_plain(mask[0]), _unview(mask[1]), str(mask[2]))
+    return args
 
 
 def recipe(func: tirx.PrimFunc) -> dict | None:
     """The keyword arguments of kernel() that made `func` (the knobs aside), or None for any other function."""
     found = (func.attrs or {}).get(RECIPE)
-    if found is None:
-        return None
-
-    def plain(x):  # ints and expressions as they were, containers as tuples
-        return tuple(plain(y) for y in x) if isinstance(x, (list, tuple, tvm_ffi.Array)) else x
-
-    def view(v) -> StridedView:
-        return StridedView(plain(v["axes"]), plain(v["offset"]))
-    args = {key: plain(value) for key, value in found.items() if key not in ("given", "mask")}
-    args["given"] = {str(name): (plain(shape), view(v)) for name, (shape, v) in found["given"].items()}
-    mask = found["mask"]
-    args["mask"] = None if mask is None else (plain(mask[0]), view(mask[1]), str(mask[2]))
-    return args
+    return None if found is None else decoded(found)
 
 
 def sizes(args: dict) -> tuple:
@@ -298,6 +308,14 @@ def at_lengths(func: tirx.PrimFunc, lengths: dict, default: int) -> tirx.PrimFun
     args = recipe(func)
     if not any_length(args):
         return func
+    made = kernel(**sized(args, lengths, default), **{k: v for k, v in DEFAULT_KNOBS.items() if k != "strategy"})
+    made = made.without_attr("global_symbol")
+    return made.with_attrs({k: v for k, v in func.attrs.items() if k not in made.attrs})
+
+
+def sized(args: dict, lengths: dict, default: int) -> dict:
+    """A recipe's arguments (sizes, operand views) with each symbolic size set to `lengths[its name]`
+    (`default` where not given); a mask's as they are."""
     analyzer = tvm.sym.Analyzer()
 
     def fixed(x):
@@ -309,10 +327,9 @@ def at_lengths(func: tirx.PrimFunc, lengths: dict, default: int) -> tirx.PrimFun
             set_ = tvm_ffi.structural_map(x, (tvm.ir.Var, lambda v: tirx.const(int(lengths.get(v.name, default)), v.ty)))
             return int(analyzer.simplify(set_))
         return x
-    args = {key: fixed(value) for key, value in args.items() if key not in ("given", "mask")} | {
-        "given": {name: fixed(operand) for name, operand in args["given"].items()}, "mask": args["mask"]}
-    made = kernel(**args, **{k: v for k, v in DEFAULT_KNOBS.items() if k != "strategy"}).without_attr("global_symbol")
-    return made.with_attrs({k: v for k, v in func.attrs.items() if k not in made.attrs})
+    return {key: fixed(value) for key, value in args.items() if key not in ("given", "mask")} | {
+        "given": {name: fixed(operand) for name, operand in args["given"].items()}} | (
+        {"mask": args["mask"]} if "mask" in args else {})
 
 
 def knob_space(func: tirx.PrimFunc) -> list[dict]:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import functools
 import math
 
-from tvm import tirx
+from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
-from .attention import LOG2E, MASKED, Operand, operands
+from .attention import LOG2E, MASKED, Operand, decoded, encoded, operands, sized
 from .contracts import COPY_ELEMS
 
 HEAD_DIMS = (64, 128, 256)  # head_dim / 8 lanes per key: a power of two within a warp
@@ -25,6 +25,15 @@ UNROLL = 4  # keys per lane group in flight: their K and V rows are loaded befor
 MAX_SPLITS = 32  # chunks per row at most: the workspace's middle dim
 MIN_CHUNK = 64  # keys per chunk at least, so that a block's loads outweigh its combining
 BLOCKS_PER_SM = 4  # blocks aimed for, over the rows and their chunks
+
+
+# A tuning task: the partial kernel is written at DEFAULT_KNOBS before dispatch, carrying the arguments
+# it was made from (RECIPE), so that the dispatcher can make it again at another point of KNOB_SPACE.
+# No knob moves the chunks (splits): the combine kernel and the workspace keep their meaning.
+NAME = "decode_attention"
+RECIPE = "tvm_ext.decode_attention_recipe"
+KNOB_SPACE = {"threads": (64, 128, 256), "unroll": (2, 4, 8)}
+DEFAULT_KNOBS = {"strategy": NAME, "threads": THREADS, "unroll": UNROLL}
 
 
 def fits(batch, seq_kv, dim: int, given: dict[str, Operand] | None = None) -> bool:
@@ -83,13 +92,14 @@ class _Grown:
 
 def partial_kernel(batch, seq_kv, dim: int, scale: float, sm_count: int,
                    given: dict[str, Operand] | None = None, dtype: str = "float16",
-                   grown: dict[str, int] | None = None) -> tirx.PrimFunc:
+                   grown: dict[str, int] | None = None, threads: int = THREADS, unroll: int = UNROLL) -> tirx.PrimFunc:
     """(q, k, v, values, max_sum): each (row, chunk) block's softmax state over its keys. `given` places
     q [batch, 1, dim], k and v [batch, seq_kv, dim] in other tensors (the cache, heads shared
     between query heads by a broadcast view). `grown` {"k" or "v": axis}: that operand's view is of
     the concatenation along `axis` of `given`'s "{name}_past" and "{name}_new" tensors, which the
     kernel reads and writes the concatenation itself: (q, k_past, k_new, v..., values, max_sum,
-    k_grown, v_grown) for those grown."""
+    k_grown, v_grown) for those grown. `threads` a block and `unroll` keys a lane group has in
+    flight: the knobs (KNOB_SPACE), which leave the chunks, and so the workspace, as they are."""
     if not fits(batch, seq_kv, dim, given):
         raise ValueError(f"decode attention does not take batch={batch} keys={seq_kv} dim={dim}"
                          + (" and these operand views" if given else ""))
@@ -102,16 +112,16 @@ def partial_kernel(batch, seq_kv, dim: int, scale: float, sm_count: int,
     k_in_shape, v_in_shape = (g.past_shape if g else shape for g, shape in ((kg, k_shape), (vg, v_shape)))
     k_new_shape, v_new_shape = (g.new_shape if g else (1,) for g in (kg, vg))
     lanes = dim // COPY_ELEMS  # lanes per key row, 16 bytes each
-    groups = THREADS // lanes  # keys a block reads at once
+    groups = threads // lanes  # keys a block reads at once
     n_splits = splits(batch, seq_kv, sm_count)
     chunk = (seq_kv + n_splits - 1) // n_splits
-    steps = (chunk + groups * UNROLL - 1) // (groups * UNROLL)
+    steps = (chunk + groups * unroll - 1) // (groups * unroll)
     scale_log2 = float(scale) * LOG2E
     full = tirx.const(0xFFFFFFFF, "uint32")
 
     @T.macro(hygienic=False)
     def load(regs, tensor, new_rows, at, grows, is_grown, u, key):
-        """UNROLL's `u`th key row of K or V into registers: from the past or the new rows of a grown cache
+        """`unroll`'s `u`th key row of K or V into registers: from the past or the new rows of a grown cache
         (`is_grown`: `grows` is not None, as the Python bool TVMScript's static `if` needs)."""
         if is_grown:
             if key < grows.past_len:
@@ -147,11 +157,11 @@ def partial_kernel(batch, seq_kv, dim: int, scale: float, sm_count: int,
         v_grown = T.decl_buffer((math.prod(v_shape),), dtype, data=v_out.data)
         bx = T.launch_thread("blockIdx.x", batch)  # rows fastest: the query heads of one cache head run together
         by = T.launch_thread("blockIdx.y", n_splits)
-        tx = T.launch_thread("threadIdx.x", THREADS)
+        tx = T.launch_thread("threadIdx.x", threads)
         q_f = T.alloc_buffer((COPY_ELEMS,), "float32", scope="local")
-        k_r = T.alloc_buffer((UNROLL * COPY_ELEMS,), dtype, scope="local")
-        v_r = T.alloc_buffer((UNROLL * COPY_ELEMS,), dtype, scope="local")
-        s = T.alloc_buffer((UNROLL,), "float32", scope="local")
+        k_r = T.alloc_buffer((unroll * COPY_ELEMS,), dtype, scope="local")
+        v_r = T.alloc_buffer((unroll * COPY_ELEMS,), dtype, scope="local")
+        s = T.alloc_buffer((unroll,), "float32", scope="local")
         acc = T.alloc_buffer((COPY_ELEMS,), "float32", scope="local")
         state = T.alloc_buffer((3,), "float32", scope="local")  # running maximum, sum, and the rescale
         o_sh = T.alloc_buffer((groups * dim,), "float32", scope="shared")
@@ -166,12 +176,12 @@ def partial_kernel(batch, seq_kv, dim: int, scale: float, sm_count: int,
         state[0] = T.float32(MASKED)
         state[1] = T.float32(0)
         for i in T.serial(steps):
-            for u in T.unroll(UNROLL):  # every load first: UNROLL rows of K and V in flight
-                key = T.meta_var(T.min(start + (i * UNROLL + u) * groups + g, seq_kv - 1))
+            for u in T.unroll(unroll):  # every load first: unroll rows of K and V in flight
+                key = T.meta_var(T.min(start + (i * unroll + u) * groups + g, seq_kv - 1))
                 load(k_r, k, k_new, k_at, kg, grow_k, u, key)
                 load(v_r, v, v_new, v_at, vg, grow_v, u, key)
-            for u in T.unroll(UNROLL):
-                key = T.meta_var(start + (i * UNROLL + u) * groups + g)
+            for u in T.unroll(unroll):
+                key = T.meta_var(start + (i * unroll + u) * groups + g)
                 store(k_r, k_grown, k_at, kg, grow_k, u, key)  # the grown cache, each key once
                 store(v_r, v_grown, v_at, vg, grow_v, u, key)
                 s[u] = T.float32(0)
@@ -179,15 +189,15 @@ def partial_kernel(batch, seq_kv, dim: int, scale: float, sm_count: int,
                     s[u] = s[u] + q_f[e] * T.Cast("float32", k_r[u * COPY_ELEMS + e])
                 for step in T.unroll(int(math.log2(lanes))):  # the row's dot product over its lanes
                     s[u] = s[u] + T.tvm_warp_shuffle_xor(full, s[u], 1 << step, 32, 32)
-                s[u] = T.if_then_else(start + (i * UNROLL + u) * groups + g < end, s[u], T.float32(MASKED))
+                s[u] = T.if_then_else(start + (i * unroll + u) * groups + g < end, s[u], T.float32(MASKED))
             state[2] = state[0]
-            for u in T.unroll(UNROLL):
+            for u in T.unroll(unroll):
                 state[0] = T.max(state[0], s[u])
             state[2] = T.exp2(state[2] - state[0])  # the old state's weight under the new maximum
             state[1] = state[1] * state[2]
             for e in T.unroll(COPY_ELEMS):
                 acc[e] = acc[e] * state[2]
-            for u in T.unroll(UNROLL):  # a key past the chunk weighs 0, even while no key of this lane group is real yet
+            for u in T.unroll(unroll):  # a key past the chunk weighs 0, even while no key of this lane group is real yet
                 s[u] = T.if_then_else(s[u] == T.float32(MASKED), T.float32(0), T.exp2(s[u] - state[0]))
                 state[1] = state[1] + s[u]
                 for e in T.unroll(COPY_ELEMS):
@@ -198,8 +208,8 @@ def partial_kernel(batch, seq_kv, dim: int, scale: float, sm_count: int,
             ml_sh[g] = state[0]
             ml_sh[groups + g] = state[1]
         T.tvm_storage_sync("shared")
-        for c in T.serial((dim + THREADS - 1) // THREADS):  # the lane groups' states combined, a column a thread
-            if c * THREADS + tx < dim:
+        for c in T.serial((dim + threads - 1) // threads):  # the lane groups' states combined, a column a thread
+            if c * threads + tx < dim:
                 state[0] = T.float32(MASKED)
                 for j in T.serial(groups):
                     state[0] = T.max(state[0], ml_sh[j])
@@ -207,9 +217,9 @@ def partial_kernel(batch, seq_kv, dim: int, scale: float, sm_count: int,
                 state[2] = T.float32(0)
                 for j in T.serial(groups):
                     state[1] = state[1] + ml_sh[groups + j] * T.exp2(ml_sh[j] - state[0])
-                    state[2] = state[2] + o_sh[j * dim + c * THREADS + tx] * T.exp2(ml_sh[j] - state[0])
-                ws[bx, by, c * THREADS + tx] = state[2]
-                if c * THREADS + tx == 0:
+                    state[2] = state[2] + o_sh[j * dim + c * threads + tx] * T.exp2(ml_sh[j] - state[0])
+                ws[bx, by, c * threads + tx] = state[2]
+                if c * threads + tx == 0:
                     ml[bx, by, 0] = state[0]
                     ml[bx, by, 1] = state[1]
 
@@ -217,7 +227,9 @@ def partial_kernel(batch, seq_kv, dim: int, scale: float, sm_count: int,
     params = [p[0], p[1], *p[2:3] * grow_k, p[3], *p[4:5] * grow_v, p[5], p[6], *p[7:8] * grow_k, *p[8:9] * grow_v]
     dropped = {*("k_new", "k_grown") * (not grow_k), *("v_new", "v_grown") * (not grow_v)}  # and their flat views
     body = tirx.SeqStmt([x for x in partial.body.seq if not (isinstance(x, tirx.DeclBuffer) and x.buffer.name in dropped)])
-    return tirx.PrimFunc(params, body, partial.ret_type, partial.attrs)
+    made = {"batch": batch, "seq_kv": seq_kv, "dim": dim, "scale": float(scale), "sm_count": sm_count,
+            "given": given, "dtype": dtype, "grown": grown}
+    return tirx.PrimFunc(params, body, partial.ret_type, partial.attrs).with_attr(RECIPE, encoded(made))
 
 
 def combine_kernel(batch, seq_kv, dim: int, sm_count: int, out: Operand | None = None,
@@ -266,3 +278,50 @@ def with_scalar_dims(func: tirx.PrimFunc, outputs: int = 1) -> tuple[tirx.PrimFu
                  if not any(v.same_as(p) for p in func.params) and str(v.ty).startswith("int")})
     dims = [v for _, v in sorted(used.items()) if v not in bare]
     return tirx.PrimFunc([*inputs, *dims, *outputs], func.body, func.ret_type, func.attrs), dims
+
+
+def recipe(func: tirx.PrimFunc) -> dict | None:
+    """The keyword arguments of partial_kernel() that made `func` (the knobs aside), or None for any other function."""
+    found = (func.attrs or {}).get(RECIPE)
+    if found is None:
+        return None
+    args = decoded(found)
+    args["grown"] = {str(name): int(axis) for name, axis in (found["grown"] or {}).items()}
+    return args
+
+
+def _made(func: tirx.PrimFunc, args: dict, knobs: dict) -> tirx.PrimFunc:
+    """The partial kernel of `args` at `knobs`, taking its symbolic dims as `func` does, with `func`'s
+    other attributes."""
+    point = {"threads": int(knobs["threads"]), "unroll": int(knobs["unroll"])}
+    made, _ = with_scalar_dims(partial_kernel(**args, **point), outputs=2 + len(args["grown"]))
+    return made.with_attrs({k: v for k, v in func.attrs.items() if k not in made.attrs})
+
+
+def knob_space(func: tirx.PrimFunc) -> list[dict]:
+    """The points of KNOB_SPACE whose blocks hold a whole key row's lanes (dim / 8)."""
+    args = recipe(func)
+    if args is None:
+        return []
+    return [{"strategy": NAME, "threads": t, "unroll": u} for t in KNOB_SPACE["threads"] for u in KNOB_SPACE["unroll"]
+            if t >= args["dim"] // COPY_ELEMS]
+
+
+def heuristic(func: tirx.PrimFunc, sm_count: int = 0, rows=None) -> tuple | None:
+    """(DEFAULT_KNOBS, `func` as it is): it was written at them."""
+    return None if recipe(func) is None else (dict(DEFAULT_KNOBS), s_tir.Schedule(func))
+
+
+def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
+    """`func` made again at `knobs`, None where they are no point of its space."""
+    if knobs not in knob_space(func):
+        return None
+    return s_tir.Schedule(_made(func, recipe(func), knobs))
+
+
+def at_sizes(func: tirx.PrimFunc, dims: dict, default: int) -> tirx.PrimFunc:
+    """`func` made again with each symbolic size (batch, cache length) set to `dims[its name]`
+    (`default` where not given), as a tuning run measures it: the sizes are scalar arguments of a
+    kernel built for any size."""
+    args = recipe(func)
+    return func if args is None else _made(func, sized(args, dims, default), DEFAULT_KNOBS)

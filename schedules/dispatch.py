@@ -10,8 +10,8 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.target import Target
 
-from . import (attention, block_row, column_reduce, column_split, conv2d, cpu_rows, few_row_matmul, gemv, grid_reduce,
-               grid_sync, matmul, warp_row, wgmma_matmul)
+from . import (attention, block_row, column_reduce, column_split, conv2d, cpu_rows, decode_attention, few_row_matmul, gemv,
+               grid_reduce, grid_sync, matmul, warp_row, wgmma_matmul)
 from .analysis import ROW, at_sizes, const_int, match
 from .contracts import WIDTH_IN_VECTORS
 from .device import device_of
@@ -19,7 +19,7 @@ from .rows import REGISTERS, fits_registers, widest_lanes
 
 # Heuristic order: the first strategy whose default_knobs accepts the pattern wins.
 STRATEGIES = {s.NAME: s for s in (warp_row, grid_reduce, grid_sync, block_row, column_split, column_reduce, cpu_rows)}
-CONTRACTIONS = {s.NAME: s for s in (gemv, matmul, wgmma_matmul, conv2d, attention)}  # GPU templates that take a whole PrimFunc
+CONTRACTIONS = {s.NAME: s for s in (gemv, matmul, wgmma_matmul, conv2d, attention, decode_attention)}  # GPU templates that take a whole PrimFunc
 
 
 # A symbolic row width gets one kernel per width class, chosen at run time (tvm_ext.relax.variants):
@@ -181,11 +181,12 @@ def contraction_template(func: tirx.PrimFunc, target: Target | None = None):
     """The GPU template (module of CONTRACTIONS) that takes `func` whole: the GEMV template for one
     row against a weight as stored; for a tensor-core matmul the wgmma template where `target` has
     wgmma (sm_90a) and it fits, else the thread-level matmul template; the conv2d template for a
-    direct convolution (with the elementwise work after either); the attention template for a fused
-    attention kernel of a static length (written before dispatch, its knobs a tuning task's); None
-    for anything else. The one place that tells them apart."""
-    if attention.recipe(func) is not None:
-        return attention if attention.knob_space(func) else None
+    direct convolution (with the elementwise work after either); the attention templates for a fused
+    attention kernel and a decoding step's partial kernel (written before dispatch, their knobs a
+    tuning task's); None for anything else. The one place that tells them apart."""
+    for written in (attention, decode_attention):  # kernels written before dispatch, made again at a logged point
+        if written.recipe(func) is not None:
+            return written if written.knob_space(func) else None
     if gemv.fits(func):
         return gemv
     if target is not None and device_of(target).wgmma and wgmma_matmul.knob_space(func):

@@ -4,6 +4,7 @@ inputs) and whether a candidate's outputs are within dtype-derived bounds of it,
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import re
@@ -19,7 +20,7 @@ from tvm.ir.expr import TensorLoad, TensorRegion
 from tvm.ir.prim.expr import Cast
 from tvm.script import tirx as T
 
-from tvm_ext.schedules import attention, conv2d, matmul
+from tvm_ext.schedules import attention, conv2d, decode_attention, matmul
 from tvm_ext.schedules.analysis import at_sizes, multiply_accumulate
 from tvm_ext.schedules.contracts import NOMINAL
 
@@ -46,9 +47,12 @@ def measured_dims(func, dims: dict | None = None) -> dict:
 
 
 def measured(func, dims: dict | None = None):
-    """`func` as its candidates are built and timed: a kernel that takes a symbolic length as a
-    scalar argument (a fused attention built for any length) made at the length `dims` gives
-    (NOMINAL where none); any other as it is (its symbolic dims are read from the tensors passed)."""
+    """`func` as its candidates are built and timed: a kernel that takes a symbolic size as a
+    scalar argument (a fused attention or a decoding step's partial kernel built for any size)
+    made at the sizes `dims` gives (NOMINAL where none); any other as it is (its symbolic dims are
+    read from the tensors passed)."""
+    if decode_attention.recipe(func) is not None:
+        return decode_attention.at_sizes(func, dims or {}, NOMINAL)
     return func if attention.recipe(func) is None else attention.at_lengths(func, dims or {}, NOMINAL)
 
 
@@ -227,6 +231,8 @@ def references(func) -> list[tirx.PrimFunc]:
     unscheduled form of a large fp16 Linear is too slow on a CPU to serve as a reference)."""
     if (made := attention.recipe(func)) is not None:
         return [_attention_reference(made)]
+    if (made := decode_attention.recipe(func)) is not None:
+        return [_decode_reference(made)]
     convolution = conv2d.convolution(func)
     if convolution is not None:
         return [_conv2d_reference(convolution)]
@@ -345,6 +351,94 @@ def reference_arrays(func, dims: dict, path: str) -> tuple[list[np.ndarray], lis
                  **{f"o{i}": a for i, a in enumerate(in_order)})
         os.replace(path + ".tmp.npz", path)
         return arrays, in_order
+
+
+def _decode_reference(args: dict) -> tirx.PrimFunc:
+    """A decoding step's partial kernel in float64 for the CPU: each (row, chunk)'s softmax state over
+    its keys, the chunks cut as the kernel cuts them (decode_attention.splits): the maximum score
+    in log2 units, the sum and the weighted values under it; NaN in the workspace's chunks past the
+    row's (the kernel leaves them as they were: a runner's poison); a grown cache is the
+    concatenation of its past and new rows. Reads through the kernel's operand views."""
+    batch, seq_kv, dim = args["batch"], args["seq_kv"], args["dim"]
+    views = attention.operands(batch, 1, seq_kv, dim, args["given"])
+    dtype, given, grown = str(args["dtype"]), args["given"], args["grown"]
+    n_splits = decode_attention.splits(batch, seq_kv, args["sm_count"])
+    chunk, scale = -(-seq_kv // n_splits), float(args["scale"]) * decode_attention.LOG2E
+    values_shape, state_shape = decode_attention.workspace_shapes(batch, dim)
+    (q_shape, q_view), (k_shape, k_view), (v_shape, v_view) = (views[name] for name in ("q", "k", "v"))
+    past = {name: given[f"{name}_past"][0] if name in grown else views[name][0] for name in ("k", "v")}
+    new = {name: given[f"{name}_new"][0] if name in grown else (1,) for name in ("k", "v")}
+    whole = {name: views[name][0] for name in ("k", "v")}
+    grow_k, grow_v = "k" in grown, "v" in grown
+    size = lambda shape: int(np.prod(shape))  # noqa: E731
+
+    def read(name, past_buf, new_buf, at):
+        """Element `at` (flat, of the operand's tensor) of K or V: of a grown cache, from its past or new rows."""
+        if name not in grown:
+            return past_buf[at]
+        axis = grown[name]
+        before, added, inner = past[name][axis], new[name][axis], size(past[name][axis + 1:])
+        outer, pos, i = at // ((before + added) * inner), at // inner % (before + added), at % inner
+        return T.if_then_else(pos < before, past_buf[(outer * before + pos) * inner + i],
+                              new_buf[(outer * added + pos - before) * inner + i])
+
+    read_k, read_v = (functools.partial(read, name) for name in ("k", "v"))  # TVMScript: no string subscripts
+    (k_past, v_past), (k_added, v_added), (k_whole, v_whole) = ((d["k"], d["v"]) for d in (past, new, whole))
+
+    @T.prim_func(check_well_formed=False)
+    def reference(q_in: T.Buffer(q_shape, dtype), k_in: T.Buffer(k_past, dtype), k_new_in: T.Buffer(k_added, dtype),
+                  v_in: T.Buffer(v_past, dtype), v_new_in: T.Buffer(v_added, dtype),
+                  ws: T.Buffer(values_shape, "float32"), ml: T.Buffer(state_shape, "float32"),
+                  k_out: T.Buffer(k_whole, dtype), v_out: T.Buffer(v_whole, dtype)):
+        q = T.decl_buffer((size(q_shape),), dtype, data=q_in.data)
+        k = T.decl_buffer((size(k_past),), dtype, data=k_in.data)
+        k_new = T.decl_buffer((size(k_added),), dtype, data=k_new_in.data)
+        v = T.decl_buffer((size(v_past),), dtype, data=v_in.data)
+        v_new = T.decl_buffer((size(v_added),), dtype, data=v_new_in.data)
+        k_grown = T.decl_buffer((size(k_whole),), dtype, data=k_out.data)
+        v_grown = T.decl_buffer((size(v_whole),), dtype, data=v_out.data)
+        for row in T.parallel(batch):
+            scores = T.alloc_buffer((chunk,), "float64")
+            acc = T.alloc_buffer((3,), "float64")  # a score or weighted value, the chunk's maximum, its sum
+            for c in range(decode_attention.MAX_SPLITS):
+                if c < n_splits:
+                    acc[1] = T.float64(decode_attention.MASKED)
+                    for j in range(T.min(chunk, seq_kv - c * chunk)):
+                        acc[0] = T.float64(0)
+                        for d in range(dim):
+                            acc[0] = acc[0] + T.Cast("float64", q[q_view.element(row, 0, d)]) * T.Cast(
+                                "float64", read_k(k, k_new, k_view.element(row, c * chunk + j, d)))
+                        scores[j] = acc[0] * T.float64(scale)
+                        acc[1] = T.max(acc[1], scores[j])
+                    acc[2] = T.float64(0)
+                    for j in range(T.min(chunk, seq_kv - c * chunk)):
+                        scores[j] = T.exp2(scores[j] - acc[1])
+                        acc[2] = acc[2] + scores[j]
+                    for d in range(dim):
+                        acc[0] = T.float64(0)
+                        for j in range(T.min(chunk, seq_kv - c * chunk)):
+                            acc[0] = acc[0] + scores[j] * T.Cast(
+                                "float64", read_v(v, v_new, v_view.element(row, c * chunk + j, d)))
+                        ws[row, c, d] = T.Cast("float32", acc[0])
+                    ml[row, c, 0] = T.Cast("float32", acc[1])
+                    ml[row, c, 1] = T.Cast("float32", acc[2])
+                else:
+                    for d in range(dim):
+                        ws[row, c, d] = T.float32(np.nan)
+                    ml[row, c, 0] = T.float32(np.nan)
+                    ml[row, c, 1] = T.float32(np.nan)
+        if grow_k:
+            for at in T.parallel(size(k_whole)):
+                k_grown[at] = read_k(k, k_new, at)
+        if grow_v:
+            for at in T.parallel(size(v_whole)):
+                v_grown[at] = read_v(v, v_new, at)
+
+    p = reference.params  # as the partial kernel's: the new rows and grown caches of the operands grown
+    keep = [p[0], p[1], *p[2:3] * grow_k, p[3], *p[4:5] * grow_v, p[5], p[6], *p[7:8] * grow_k, *p[8:9] * grow_v]
+    dropped = {*("k_new", "k_grown") * (not grow_k), *("v_new", "v_grown") * (not grow_v)}  # and their flat views
+    body = tirx.SeqStmt([x for x in reference.body.seq if not (isinstance(x, tirx.DeclBuffer) and x.buffer.name in dropped)])
+    return tirx.PrimFunc(keep, body)
 
 
 ELEMENT_ULPS = 8  # one element may be off by this many ulps of the output dtype at its row's largest value

@@ -14,7 +14,7 @@ import tvm
 from tvm import tirx
 from tvm.target import Target
 
-from tvm_ext.schedules import attention, conv2d, gemv, matmul, wgmma_matmul
+from tvm_ext.schedules import attention, conv2d, decode_attention, gemv, matmul, wgmma_matmul
 from tvm_ext.schedules.few_row_matmul import VECTOR, weight_streaming_matmul
 from tvm_ext.schedules.analysis import ReducePattern, at_sizes, const_int, match
 from tvm_ext.schedules.contracts import NOMINAL, WARP
@@ -187,6 +187,25 @@ def attention_features(args: dict, knobs: dict, device: Device, symbolic: bool =
     return np.asarray(values, dtype="float32")
 
 
+def decode_features(args: dict, knobs: dict, device: Device, symbolic: bool = False) -> np.ndarray:
+    """The same quantities for a decoding step's partial kernel candidate: a block per (row, chunk)
+    reduces its chunk's keys, a key's row over dim / 8 lanes, `unroll` keys a lane group in flight;
+    the stage, each lane group's weighted values and state. `symbolic`: built for any size."""
+    batch, seq_kv, dim = args["batch"], args["seq_kv"], args["dim"]
+    threads, unroll, lanes = int(knobs["threads"]), int(knobs["unroll"]), dim // decode_attention.COPY_ELEMS
+    blocks = batch * decode_attention.splits(batch, seq_kv, args["sm_count"])
+    smem = threads // lanes * (dim + 2) * 4
+    resident = device.resident_blocks(threads, 40 + 8 * unroll, smem)  # a K and a V vector per key in flight
+    slots = max(1, device.sm_count * resident)
+    waves = blocks / slots
+    values = [0.0] * len(STRATEGIES) + [1.0, 0.0] + [
+        math.log2(seq_kv * dim), math.log2(batch * dim), math.log2(4 * batch * seq_kv * dim), 2,
+        0.0, float(symbolic), threads, math.log2(blocks), waves, blocks / (math.ceil(waves) * slots),
+        threads * resident / device.threads_per_sm, math.log2(max(1, 4 * seq_kv * dim // (blocks * threads))), 16,
+        1.0, smem, math.log2(lanes), math.log2(unroll), 1, math.log2(unroll * decode_attention.COPY_ELEMS), 0.0]
+    return np.asarray(values, dtype="float32")
+
+
 def candidate_features(func: tirx.PrimFunc, points: list[dict], target: Target, dims: dict | None = None) -> np.ndarray:
     """[len(points), len(NAMES)] features of the candidates `points` of one task, its symbolic sizes
     at `dims` (NOMINAL where not given: what the tuning run measures them at)."""
@@ -205,6 +224,10 @@ def candidate_features(func: tirx.PrimFunc, points: list[dict], target: Target, 
         args = attention.recipe(attention.at_lengths(func, dims or {}, NOMINAL))
         symbolic = attention.any_length(attention.recipe(func))
         return np.stack([attention_features(args, knobs, device, symbolic) for knobs in points])
+    if points[0]["strategy"] == decode_attention.NAME:
+        args = decode_attention.recipe(decode_attention.at_sizes(func, dims or {}, NOMINAL))
+        symbolic = not all(isinstance(x, int) for x in (decode_attention.recipe(func)[k] for k in ("batch", "seq_kv")))
+        return np.stack([decode_features(args, knobs, device, symbolic) for knobs in points])
     if points[0]["strategy"] == conv2d.NAME:
         sch, _, block, epilogue = conv2d.convolution(func)
         return np.stack([conv2d_features(sch.get(block), knobs, bool(epilogue), device) for knobs in points])

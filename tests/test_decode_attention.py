@@ -16,6 +16,7 @@ from bench.spelled import main_module
 from tvm_ext.relax import attention as attention_pass
 from tvm_ext.relax.attention import SAMPLE_LENGTHS, _fitted, fuse_attention
 from tvm_ext.schedules import decode_attention
+from tvm_ext.schedules.device import device_of
 
 SM_90A = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 SM_80 = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})
@@ -255,3 +256,57 @@ def test_the_cuda_reads_16_byte_rows_and_sums_a_row_across_its_lanes():
     assert partial.count("*(uint4*)(k_r") == decode_attention.UNROLL and "__shfl_xor_sync" in partial  # 16 lanes: 4 steps
     assert partial.count("__shfl_xor_sync") == decode_attention.UNROLL * 4
     assert "fused_decode_attention_combine_kernel(" in source and "exp2f" in source
+
+
+@pytest.mark.parametrize("grown", [False, True])
+def test_the_partial_kernel_is_a_task_checked_by_its_chunks_states(grown, tmp_path):
+    """A decoding step's partial kernel is a tuning task: its knobs (threads, keys in flight) leave the
+    chunks, and so the combine kernel and the workspace, as they are. Its reference gives each
+    (row, chunk)'s softmax state, which combined is numpy's attention; the chunks past a row's are NaN
+    (the kernel leaves them as the runner's poison left them); a grown cache is the concatenation."""
+    from search import check  # noqa: PLC0415
+    from tvm_ext.schedules.dispatch import contraction_template  # noqa: PLC0415
+    from tvm_ext.search.space import knob_space  # noqa: PLC0415
+    from tvm_ext.search.tasks import extract_tasks  # noqa: PLC0415
+
+    target = tvm_ext.parse_target(SM_90A)
+    (task,) = extract_tasks(decode_chain(2, 300, grown=grown), target)
+    assert contraction_template(task.func, target) is decode_attention
+    points = knob_space(task.func, target)
+    assert points[0] == decode_attention.DEFAULT_KNOBS and len(points) == 9
+    func = check.measured(task.func, {})
+    arrays, _ = check.reference_arrays(func, {}, str(tmp_path / "reference.npz"))
+    q, k, v = (a.astype("float64") for a in arrays[:1] + (
+        [np.concatenate(arrays[1:3], axis=2), np.concatenate(arrays[3:5], axis=2)] if grown else arrays[1:3]))
+    values, state = arrays[5:7] if grown else arrays[3:5]
+    if grown:
+        np.testing.assert_array_equal(arrays[7], k.astype("float16"))
+        np.testing.assert_array_equal(arrays[8], v.astype("float16"))
+    used = decode_attention.splits(8, k.shape[2], device_of(target).sm_count)
+    assert np.isnan(values[:, used:]).all() and np.isnan(state[:, used:]).all() and not np.isnan(values[:, :used]).any()
+    top = state[:, :used, 0].max(-1, keepdims=True)
+    weight = np.exp2(state[:, :used, 0] - top)
+    got = (values[:, :used] * weight[..., None]).sum(1) / (state[:, :used, 1] * weight).sum(1, keepdims=True)
+    keys, vals = (np.repeat(x, 2, axis=1).reshape(8, -1, 128) for x in (k, v))  # each cache head serves two query heads
+    scores = np.einsum("rd,rkd->rk", q.reshape(8, 128), keys) / math.sqrt(128)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    want = np.einsum("rk,rkd->rd", p / p.sum(-1, keepdims=True), vals)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_a_logged_point_remakes_the_partial_kernel_and_keeps_the_combine(tmp_path):
+    from tvm_ext.introspect import cuda_source  # noqa: PLC0415
+    from tvm_ext.records import append_record  # noqa: PLC0415
+    from tvm_ext.search.tasks import extract_tasks  # noqa: PLC0415
+
+    target = tvm_ext.parse_target(SM_90A)
+    (task,) = extract_tasks(decode_chain(2, 300), target)
+    knobs = {"strategy": decode_attention.NAME, "threads": 256, "unroll": 2}
+    log = tmp_path / "log.json"
+    append_record(log, task.func, target, task.name, knobs, 10.0)
+    tuned, plain = (cuda_source(tvm_ext.build(decode_chain(2, 300), SM_90A, **kwargs)) for kwargs in ({"database": log}, {}))
+    partial = lambda source: source.split("fused_decode_attention_kernel(")[-1].split("extern \"C\"")[0]  # noqa: E731
+    assert "__launch_bounds__(256) fused_decode_attention_kernel" in tuned and partial(tuned).count("*(uint4*)(k_r") == 2
+    assert "__launch_bounds__(128) fused_decode_attention_kernel" in plain
+    combine = lambda source: source.split("fused_decode_attention_combine_kernel(")[-1]  # noqa: E731
+    assert combine(tuned) == combine(plain)

@@ -15,7 +15,7 @@ from tvm.s_tir import dlight as dl
 from tvm.target import Target
 
 from tvm_ext import schedules
-from tvm_ext.schedules import attention, gemv
+from tvm_ext.schedules import attention, decode_attention, gemv
 from tvm_ext.schedules.analysis import is_reduce_subgraph
 from tvm_ext.schedules.device import device_of
 from tvm_ext.schedules.elementwise import Elementwise
@@ -120,7 +120,8 @@ class ScheduleContractions:
         target = Target.current()
         dispatch, builder = {}, relax.BlockBuilder(mod)
         for gv, func in list(mod.functions_items()):
-            written = isinstance(func, tirx.PrimFunc) and attention.RECIPE in (func.attrs or {})  # decoded in the guard
+            written = next((t for t in (attention, decode_attention)  # its recipe decoded in the guard
+                            if isinstance(func, tirx.PrimFunc) and t.RECIPE in (func.attrs or {})), None)
             if not isinstance(func, tirx.PrimFunc) or func.attrs.get(SCHEDULED, False) and not (written and self.database):
                 continue  # a kernel written before dispatch (attention) is remade only at a logged point
             try:
@@ -128,7 +129,7 @@ class ScheduleContractions:
                     continue
                 classed = schedules.class_rows(func, target) is not None  # its records stand for their row class
                 knobs = self.database.lookup(func, target) if self.database and not classed else None
-                if written and knobs in (None, attention.DEFAULT_KNOBS):
+                if written and knobs in (None, written.DEFAULT_KNOBS):
                     continue  # written at these knobs
                 logged = self.database.lookup_classes(func, target) if self.database and classed else ()
                 kernels = [(None, schedules.schedule(func, target, knobs))] if knobs else \
@@ -143,8 +144,8 @@ class ScheduleContractions:
                 continue
             if kernels and all(sch is not None for _, sch in kernels):
                 # a symbolic row count: int32 twins where the sizes allow (tvm_ext/tir/narrowing.py)
-                scheduled = [(cond, sch.mod["main"].with_attrs({SCHEDULED: True, OURS: rows is not None}))
-                             for cond, sch in kernels]
+                narrowed = rows is not None or bool(func.attrs.get(OURS, False))  # decoding attention's, as written
+                scheduled = [(cond, sch.mod["main"].with_attrs({SCHEDULED: True, OURS: narrowed})) for cond, sch in kernels]
                 _install(builder, gv, ([(rows == 1, one_row.mod["main"].with_attr(SCHEDULED, True))] if one_row else [])
                          + scheduled, dispatch)
         return _dispatched(builder, dispatch)
