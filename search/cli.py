@@ -92,15 +92,16 @@ def parse_dims(text: str) -> dict:
 
 
 def table(reports) -> str:
-    lines = ["| task | calls | trials | heuristic us | best us | speed-up | GB/s | % of copy | best knobs |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| task | measured at | calls | trials | heuristic us | best us | speed-up | GB/s | % of copy | best knobs |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in reports:
+        at = ", ".join(f"{name}={size}" for name, size in r.sizes.items()) or "-"  # symbolic dims (--dims, else 4096)
         if r.knobs is None:  # the budget ran out before this task (or every candidate failed)
-            lines.append(f"| {r.name} | {r.weight} | {r.trials} | - | - | - | - | - | not measured: the heuristic's |")
+            lines.append(f"| {r.name} | {at} | {r.weight} | {r.trials} | - | - | - | - | - | not measured: the heuristic's |")
             continue
         heuristic = f"{r.heuristic_us:.1f}" if r.heuristic_us else "-"
         speedup = f"{r.speedup:.2f}x" if r.speedup else "-"
-        lines.append(f"| {r.name} | {r.weight} | {r.trials} | {heuristic} | {r.best_us:.1f} | {speedup} | "
+        lines.append(f"| {r.name} | {at} | {r.weight} | {r.trials} | {heuristic} | {r.best_us:.1f} | {speedup} | "
                      f"{r.gbps:.0f} | {100 * r.copy_fraction:.0f}% | {json.dumps(r.knobs, sort_keys=True)} |")
     return "\n".join(lines)
 

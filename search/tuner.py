@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tvm_ext.records import read_records
 from tvm_ext.target import parse_target
@@ -39,6 +39,7 @@ class TaskReport:
     copy_fraction: float
     knobs: dict | None
     tflops: float = 0.0  # of the best candidate, for tasks with tensor-core work (check.task_flops)
+    sizes: dict = field(default_factory=dict)  # the symbolic dims' sizes it was measured at
 
     @property
     def speedup(self) -> float | None:
@@ -130,4 +131,4 @@ def _report(search: TaskSearch, dims, copy_gbps: float) -> TaskReport:
                       best.best_us if best else float("inf"),
                       heuristic.best_us if heuristic and heuristic.error is None else None,
                       gbps, gbps / copy_gbps, best.knobs if best else None,
-                      task_flops(func, dims) / best.best_us / 1e6 if best else 0.0)
+                      task_flops(func, dims) / best.best_us / 1e6 if best else 0.0, search.at)

@@ -64,6 +64,19 @@ def test_an_existing_log_is_never_overwritten_and_bad_arguments_are_named(tmp_pa
     assert not (tmp_path / "new.json").exists()
 
 
+def test_a_symbolic_task_is_measured_and_reported_at_its_dims(tmp_path):
+    """Every record of a task over a symbolic row count says the sizes it was measured at, and the
+    run's table says them too (a build for any size has no one size to report otherwise)."""
+    from tvm_ext.records import read_records  # noqa: PLC0415
+    from tvm_ext.search.cli import table  # noqa: PLC0415
+
+    log = tmp_path / "log.json"
+    (report,) = tune_model(relax_module("softmax", ["n", 300], "float32"), TARGET, trials=2, log=str(log),
+                           dims={"n": 64}, batch=2, progress=False, timeout=120)
+    assert report.sizes == {"n": 64} and [rec["dims"] for rec in read_records(log)] == [{"n": 64}] * 2
+    assert f"| {report.name} | n=64 | 1 | 2 |" in table([report])
+
+
 def _linear_bias(m, n, k):
     """A fp16 Linear with its bias, as FuseOps leaves it: a tensor-core matmul task on a GPU."""
     from tvm import relax  # noqa: PLC0415
