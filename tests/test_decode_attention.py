@@ -310,3 +310,25 @@ def test_a_logged_point_remakes_the_partial_kernel_and_keeps_the_combine(tmp_pat
     assert "__launch_bounds__(128) fused_decode_attention_kernel" in plain
     combine = lambda source: source.split("fused_decode_attention_combine_kernel(")[-1]  # noqa: E731
     assert combine(tuned) == combine(plain)
+
+
+def test_a_decode_layer_built_for_any_size_is_measured_at_the_given_dims(tmp_path):
+    """The task of a decode layer imported for any batch and cache length: its candidates are the
+    kernel of the sizes --dims gives (batch 4, 100 cached positions), and so is its reference."""
+    torch = pytest.importorskip("torch")
+    from examples.torch_models import DECODE_DYNAMIC, LlamaDecodeLayer, decode_inputs  # noqa: PLC0415
+    from search import check  # noqa: PLC0415
+    from tvm_ext.search.strategy import TaskSearch  # noqa: PLC0415
+    from tvm_ext.search.tasks import extract_tasks  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    module = LlamaDecodeLayer(256, 2, 512, kv_heads=1).eval().half()  # two query heads of 128 over one cache head
+    mod = tvm_ext.from_torch(module, *decode_inputs(module, 2, 128, torch.float16), dynamic=DECODE_DYNAMIC)
+    target = tvm_ext.parse_target(SM_90A)
+    task = next(t for t in extract_tasks(mod, target) if t.name.startswith("fused_decode_attention"))
+    dims = {"batch": 4, "past": 100}
+    assert TaskSearch(task, target, str(tmp_path / "log.json"), 8, dims).at == dims
+    func = check.measured(task.func, dims)
+    assert [[int(d) for d in p.ty.shape] for p in func.params[:3]] == [[4, 2, 1, 128], [4, 1, 100, 128], [4, 1, 1, 128]]
+    arrays, _ = check.reference_arrays(func, dims, str(tmp_path / "reference.npz"))
+    assert [a.shape for a in arrays[-4:]] == [(8, 32, 128), (8, 32, 2), (4, 1, 101, 128), (4, 1, 101, 128)]
