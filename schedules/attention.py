@@ -15,6 +15,7 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
+from .analysis import at_sizes
 from .contracts import COPY_ELEMS, MASK_DTYPES, WGMMA_TYPES
 from .strided_view import StridedView
 from .wgmma_matmul import ATOM_BYTES, ROWS, SWIZZLE_128B, WARPGROUP, accumulator_position, swizzled
@@ -301,32 +302,27 @@ def any_length(args: dict) -> bool:
     return not all(isinstance(x, int) for x in sizes(args))
 
 
-def at_lengths(func: tirx.PrimFunc, lengths: dict, default: int) -> tirx.PrimFunc:
-    """`func` made again with each symbolic length set to `lengths[its name]` (`default` where not
-    given), its other attributes kept: a kernel built for any length takes the length as a scalar
-    argument, so a tuning run measures it as the kernel of one length (its knobs are the same)."""
+def at_lengths(func: tirx.PrimFunc, dims: dict) -> tirx.PrimFunc:
+    """`func` made again with each symbolic length set to `dims[its name]` (NOMINAL where not given),
+    its other attributes kept: a kernel built for any length takes the length as a scalar argument,
+    so a tuning run measures it as the kernel of one length (its knobs are the same)."""
     args = recipe(func)
     if not any_length(args):
         return func
-    made = kernel(**sized(args, lengths, default), **{k: v for k, v in DEFAULT_KNOBS.items() if k != "strategy"})
+    made = kernel(**sized(args, dims), **{k: v for k, v in DEFAULT_KNOBS.items() if k != "strategy"})
     made = made.without_attr("global_symbol")
     return made.with_attrs({k: v for k, v in func.attrs.items() if k not in made.attrs})
 
 
-def sized(args: dict, lengths: dict, default: int) -> dict:
-    """A recipe's arguments (sizes, operand views) with each symbolic size set to `lengths[its name]`
-    (`default` where not given); a mask's as they are."""
-    analyzer = tvm.sym.Analyzer()
-
+def sized(args: dict, dims: dict) -> dict:
+    """A recipe's arguments (sizes, operand views) with each symbolic size set to `dims[its name]`
+    (NOMINAL where not given, analysis.at_sizes); a mask's as they are."""
     def fixed(x):
         if isinstance(x, tuple):
             return tuple(fixed(y) for y in x)
         if isinstance(x, StridedView):
             return StridedView(fixed(x.axes), fixed(x.offset))
-        if tvm.ir.is_prim_expr(x):
-            set_ = tvm_ffi.structural_map(x, (tvm.ir.Var, lambda v: tirx.const(int(lengths.get(v.name, default)), v.ty)))
-            return int(analyzer.simplify(set_))
-        return x
+        return at_sizes(x, dims) if tvm.ir.is_prim_expr(x) else x
     return {key: fixed(value) for key, value in args.items() if key not in ("given", "mask")} | {
         "given": {name: fixed(operand) for name, operand in args["given"].items()}} | (
         {"mask": args["mask"]} if "mask" in args else {})

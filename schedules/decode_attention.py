@@ -319,9 +319,11 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     return s_tir.Schedule(_made(func, recipe(func), knobs))
 
 
-def at_sizes(func: tirx.PrimFunc, dims: dict, default: int) -> tirx.PrimFunc:
+def at_lengths(func: tirx.PrimFunc, dims: dict) -> tirx.PrimFunc:
     """`func` made again with each symbolic size (batch, cache length) set to `dims[its name]`
-    (`default` where not given), as a tuning run measures it: the sizes are scalar arguments of a
-    kernel built for any size."""
+    (NOMINAL where not given), as a tuning run measures it: a kernel built for any size takes its
+    sizes as scalar arguments. As it is where its sizes are static."""
     args = recipe(func)
-    return func if args is None else _made(func, sized(args, dims, default), DEFAULT_KNOBS)
+    if all(isinstance(args[size], int) for size in ("batch", "seq_kv")):
+        return func
+    return _made(func, sized(args, dims), DEFAULT_KNOBS)

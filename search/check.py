@@ -51,9 +51,8 @@ def measured(func, dims: dict | None = None):
     scalar argument (a fused attention or a decoding step's partial kernel built for any size)
     made at the sizes `dims` gives (NOMINAL where none); any other as it is (its symbolic dims are
     read from the tensors passed)."""
-    if decode_attention.recipe(func) is not None:
-        return decode_attention.at_sizes(func, dims or {}, NOMINAL)
-    return func if attention.recipe(func) is None else attention.at_lengths(func, dims or {}, NOMINAL)
+    written = next((t for t in (attention, decode_attention) if t.recipe(func) is not None), None)
+    return func if written is None else written.at_lengths(func, dims or {})
 
 
 def task_bytes(func, dims: dict | None = None) -> int:

@@ -17,7 +17,7 @@ from tvm.target import Target
 from tvm_ext.schedules import attention, conv2d, decode_attention, gemv, matmul, wgmma_matmul
 from tvm_ext.schedules.few_row_matmul import VECTOR, weight_streaming_matmul
 from tvm_ext.schedules.analysis import ReducePattern, at_sizes, const_int, match
-from tvm_ext.schedules.contracts import NOMINAL, WARP
+from tvm_ext.schedules.contracts import WARP
 from tvm_ext.schedules.device import Device, device_of
 from tvm_ext.schedules.dispatch import STRATEGIES
 from tvm_ext.schedules.rows import REGISTERS, cached_inputs, estimated_registers, row_bytes
@@ -221,11 +221,11 @@ def candidate_features(func: tirx.PrimFunc, points: list[dict], target: Target, 
         item = matmul.operand_itemsize(block)
         return np.stack([gemv_features(n, k, item, knobs, folded.ivs is not None, device) for knobs in points])
     if points[0]["strategy"] == attention.NAME:
-        args = attention.recipe(attention.at_lengths(func, dims or {}, NOMINAL))
+        args = attention.recipe(attention.at_lengths(func, dims or {}))
         symbolic = attention.any_length(attention.recipe(func))
         return np.stack([attention_features(args, knobs, device, symbolic) for knobs in points])
     if points[0]["strategy"] == decode_attention.NAME:
-        args = decode_attention.recipe(decode_attention.at_sizes(func, dims or {}, NOMINAL))
+        args = decode_attention.recipe(decode_attention.at_lengths(func, dims or {}))
         symbolic = not all(isinstance(x, int) for x in (decode_attention.recipe(func)[k] for k in ("batch", "seq_kv")))
         return np.stack([decode_features(args, knobs, device, symbolic) for knobs in points])
     if points[0]["strategy"] == conv2d.NAME:

@@ -802,7 +802,8 @@ def test_attention_built_for_any_length_is_a_task_measured_at_one_length(tmp_pat
     length takes."""
     from tvm_ext.records import append_record  # noqa: PLC0415
     from tvm_ext.search.check import measured  # noqa: PLC0415
-    from tvm_ext.search.features import NAMES, NOMINAL, candidate_features  # noqa: PLC0415
+    from tvm_ext.schedules.contracts import NOMINAL  # noqa: PLC0415
+    from tvm_ext.search.features import NAMES, candidate_features  # noqa: PLC0415
     from tvm_ext.search.tasks import extract_tasks  # noqa: PLC0415
 
     mod = spelled(seq=tvm.tirx.Var("seq", "int64"), packed=True)
