@@ -36,6 +36,7 @@ DYNAMIC_ROW_VARIANTS = [
     (4096, {"strategy": "block_row", "threads": 256, "cache": False}),
     (8192, {"strategy": "block_row", "threads": 256, "cache": False}),
     (16384, {"strategy": "block_row", "threads": 512, "cache": False}),
+    (32768, {"strategy": "block_row", "threads": 1024, "cache": False}),
     (None, {"strategy": "block_row", "threads": 1024, "cache": False}),
 ]
 

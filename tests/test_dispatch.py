@@ -79,21 +79,24 @@ def test_a_lone_mean_still_takes_the_grid():
     assert [k["strategy"] for _, k in plan] == ["grid_reduce"]
 
 
-def test_symbolic_width_plans_five_classes_each_with_a_vector_kernel():
+def test_symbolic_width_plans_six_classes_each_with_a_vector_kernel():
     (plan,) = plans("softmax", [4096, "s"], "float16").values()
     assert [str(cond) for cond, _ in plan] == [
         "s <= T.int64(1024) and s % T.int64(8) == T.int64(0)", "s <= T.int64(1024)",
         "s <= T.int64(4096) and s % T.int64(8) == T.int64(0)",
         "s <= T.int64(8192) and s % T.int64(8) == T.int64(0)", "s <= T.int64(8192)",
         "s <= T.int64(16384) and s % T.int64(8) == T.int64(0)", "s <= T.int64(16384)",
+        "s <= T.int64(32768) and s % T.int64(8) == T.int64(0)",
         "s % T.int64(8) == T.int64(0)", "None"]
-    assert [k["strategy"] for _, k in plan] == ["warp_row"] * 2 + ["block_row"] * 7
-    assert [k.get("threads") for _, k in plan][2:] == [256, 256, 256, 512, 512, 1024, 1024]
-    assert [k["vec"] for _, k in plan] == [8, 1, 8] + [8, 1] * 3
-    # the bounded vector classes keep the row in registers (a lane's share of 1024, 4096, 8192 or
-    # 16384 halves over 32, 256, 256 or 512 lanes: 64 or 128 bytes); the scalar ones and the
-    # unbounded one re-read it, so one scalar kernel of 256 threads serves up to 8192 columns
-    assert [k["cache"] for _, k in plan] == [REGISTERS, False, REGISTERS] + [REGISTERS, False] * 2 + [False, False]
+    assert [k["strategy"] for _, k in plan] == ["warp_row"] * 2 + ["block_row"] * 8
+    assert [k.get("threads") for _, k in plan][2:] == [256, 256, 256, 512, 512, 1024, 1024, 1024]
+    assert [k["vec"] for _, k in plan] == [8, 1, 8] + [8, 1] * 2 + [8, 8, 1]
+    # the bounded vector classes keep the row in registers (a lane's share of 1024, 4096, 8192,
+    # 16384 or 32768 halves over 32, 256, 256, 512 or 1024 lanes: 64 or 128 bytes); the scalar ones
+    # and the unbounded one re-read it, so one scalar kernel of 256 threads serves up to 8192
+    # columns and one of 1024 threads every width past 16384
+    assert [k["cache"] for _, k in plan] == ([REGISTERS, False, REGISTERS] + [REGISTERS, False] * 2
+                                             + [REGISTERS, False, False])
 
 
 def test_a_symbolic_row_count_gets_a_kernel_for_fewer_rows_than_sms():
@@ -115,9 +118,9 @@ def test_a_symbolic_row_count_gets_a_kernel_for_fewer_rows_than_sms():
 
 def test_vector_width_classes_follow_the_narrowest_input():
     (plan,) = plans("softmax", ["b", "s"], "float32").values()
-    assert [k["vec"] for _, k in plan] == [4, 1, 4] + [4, 1] * 3  # 16 bytes of float32
+    assert [k["vec"] for _, k in plan] == [4, 1, 4] + [4, 1] * 2 + [4, 4, 1]  # 16 bytes of float32
     (plan,) = plans("layer_norm", ["b", "s"], "bfloat16").values()
-    assert [k["vec"] for _, k in plan] == [8, 1, 8] + [8, 1] * 3
+    assert [k["vec"] for _, k in plan] == [8, 1, 8] + [8, 1] * 2 + [8, 8, 1]
 
 
 def test_a_symbolic_width_is_split_into_whole_vectors_without_a_tail_test():
@@ -152,8 +155,8 @@ def test_a_width_class_of_whole_vectors_loads_vectors(op, dtype, vector):
     vector_classes = [i for i, (_, knobs) in enumerate(plan) if knobs["vec"] > 1]
     in_vectors = {name: body for name, (params, body) in kernels.items()
                   if int(re.search(r"_v(\d+)_", name).group(1)) in vector_classes}
-    assert len(vector_classes) == 5 and len(in_vectors) == 10 and all("s_vectors" in kernels[name][0] for name in in_vectors), \
-        "the five vector classes, each with its int32 twin"
+    assert len(vector_classes) == 6 and len(in_vectors) == 12 and all("s_vectors" in kernels[name][0] for name in in_vectors), \
+        "the six vector classes, each with its int32 twin"
     for name, body in in_vectors.items():
         assert not re.search(r"make_(half|float|bfloat16)\d\(p0_ptr\[", body), f"{name}: x gathered element by element"
         assert re.search(rf"\*\({vector}\*\)\(p0_local_ptr \+ (\(int64_t\))?0\) = \*\({vector}\*\)\(p0_ptr \+", body), name

@@ -89,7 +89,8 @@ _BUILT = {}
 
 
 @pytest.mark.parametrize("op, dtype", [("softmax", "float16"), ("rms_norm", "bfloat16"), ("layer_norm", "float32")])
-@pytest.mark.parametrize("width", [7, 24, 64, 1000, 1003, 2560, 4104, 8192, 8200, 16384, 16392, 20001])  # each side of each class bound
+# each side of each class bound
+@pytest.mark.parametrize("width", [7, 24, 64, 1000, 1003, 2560, 4104, 8192, 8200, 16384, 16392, 20001, 32768, 32776])
 def test_symbolic_width_vector_classes_on_gpu(op, dtype, width, rng):
     # widths a multiple of a 16-byte vector take the vector kernels, the others the scalar ones; a
     # class of rows in registers tests each of its lanes' steps against the width (7, 24: most idle)
