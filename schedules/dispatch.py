@@ -24,7 +24,8 @@ CONTRACTIONS = {s.NAME: s for s in (gemv, matmul, wgmma_matmul, conv2d, attentio
 
 # A symbolic row width gets one kernel per width class, chosen at run time (tvm_ext.relax.variants):
 # by the largest width a class serves, and, within each, widths a multiple of a 16-byte vector
-# (read and written as vectors, `vec` set by the input dtype) before the rest (`vec` 1).
+# (read and written as vectors, `vec` set by the input dtype), then of an 8-byte one, before the
+# rest (`vec` 1).
 # No class stages its rows in shared memory: TVM sizes a symbolic stage of several rows by the whole
 # tensor (the launch fails: "Failed to set the allowed dynamic shared memory size to ..."), and
 # copies a stage of one row element by element, slower than re-reading the row
@@ -39,24 +40,45 @@ DYNAMIC_ROW_VARIANTS = [
     (32768, {"strategy": "block_row", "threads": 1024, "cache": False}),
     (None, {"strategy": "block_row", "threads": 1024, "cache": False}),
 ]
+# Widths of a warp-a-row class that no vector divides (scalar loads, the row re-read by each pass)
+# over fewer rows than fill the device SCALAR_FEW_ROWS_WAVES times at these knobs' lanes: a block of
+# 128 lanes a row keeps more loads in flight than a warp a row. H200 (h200-2026-11-29-scalar1024-a.md,
+# -b.md, one call): softmax 1024 x 1003 f16 10.6 -> 7.7 us, 512 x 1001 f32 10.5 -> 6.8, RMSNorm 4096 x
+# 1001 f16 14.7 -> 12.3; over 16384 rows of 1003 the warp a row stays (35.3 us against 44.1).
+SCALAR_FEW_ROWS_KNOBS = {"strategy": "block_row", "threads": 128, "cache": False}
+SCALAR_FEW_ROWS_WAVES = 4
 
 
-def width_classes(pattern) -> list[tuple]:
-    """[(condition over the symbolic width, knobs)] of DYNAMIC_ROW_VARIANTS, each class split by
-    whether a vector divides the width; the last condition None."""
+def width_classes(pattern, device) -> list[tuple]:
+    """[(condition over the symbolic width (and row count), knobs)] of DYNAMIC_ROW_VARIANTS, each
+    class split by the widest vector that divides the width; the last condition None."""
     extent, lanes = pattern.reduce_extent, widest_lanes(pattern)
     classes = []
     for bound, knobs in DYNAMIC_ROW_VARIANTS:
         within = None if bound is None else extent <= bound
-        if lanes > 1:
-            aligned = tirx.EQ(tirx.floormod(extent, lanes), tirx.const(0, str(extent.ty)))
+        for vec in [v for v in (lanes, lanes // 2) if v > 1]:  # 16 bytes, then 8
+            aligned = tirx.EQ(tirx.floormod(extent, vec), tirx.const(0, str(extent.ty)))
             row_lanes = knobs.get("group") or knobs["threads"]
             cache = REGISTERS if bound and fits_registers(pattern, row_lanes, bound) else knobs["cache"]
             classes.append((aligned if within is None else tirx.And(within, aligned),
-                            dict(knobs, vec=lanes, max_extent=bound, cache=cache)))
-        classes.append((within, dict(knobs, vec=1, max_extent=bound)))
+                            dict(knobs, vec=vec, max_extent=bound, cache=cache)))
+        classes += _scalar_classes(pattern, device, within, dict(knobs, vec=1, max_extent=bound))
     return [(condition, knobs) for i, (condition, knobs) in enumerate(classes)
             if not _served_by_next(knobs, [later for _, later in classes[i + 1:]])]
+
+
+def _scalar_classes(pattern, device, within, knobs: dict) -> list[tuple]:
+    """The kernels of a class's widths no vector divides: a warp a row's class gives rows too few to
+    fill the device SCALAR_FEW_ROWS_WAVES times to SCALAR_FEW_ROWS_KNOBS (at build time for a static
+    row count, by a condition on a symbolic one)."""
+    if knobs["strategy"] != warp_row.NAME:
+        return [(within, knobs)]
+    few = dict(SCALAR_FEW_ROWS_KNOBS, vec=1, max_extent=knobs["max_extent"])
+    limit = SCALAR_FEW_ROWS_WAVES * device.sm_count * device.threads_per_sm // few["threads"]
+    rows = pattern.row_count
+    if const_int(rows) is not None:
+        return [(within, few if const_int(rows) < limit else knobs)]
+    return [(tirx.And(within, tirx.LT(rows, tirx.const(limit, str(rows.ty)))), few), (within, knobs)]
 
 
 def _served_by_next(knobs: dict, later: list) -> bool:
@@ -143,7 +165,7 @@ def _plan(func, target, build: bool, knobs: dict | None = None) -> list[tuple]:
     if _width_classed(pattern, device):
         extent = pattern.reduce_extent
         return [(condition, class_knobs, _width_class_schedule(func, target, extent, class_knobs) if build else None)
-                for condition, class_knobs in width_classes(pattern)]
+                for condition, class_knobs in width_classes(pattern, device)]
     found = (knobs, schedule(func, target, knobs)) if knobs else _first_applicable(func, pattern, device)
     if not found:
         return []

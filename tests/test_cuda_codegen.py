@@ -115,27 +115,28 @@ def test_dynamic_rows_compile_to_an_int32_and_an_int64_kernel_with_symbolic_grid
 
 
 def test_symbolic_row_width_dispatches_between_variants_at_run_time():
-    ex, src, _ = build_case(next(c for c in CASES if c["id"] == "sm-dyn-bxn-f16"))
-    assert tvm_ext.cuda_kernels(ex) == [f"softmax_v{i}{s}_kernel" for i in range(10) for s in ("_i32", "")]
+    case = next(c for c in CASES if c["id"] == "sm-dyn-bxn-f16")
+    ex, src, _ = build_case(case)
+    target = tvm_ext.parse_target(CUDA_TARGET)
+    (func,) = fused_reduce_functions(relax_module(case["op"], case["shape"], case["dtype"]), target).values()
+    plan = schedules.plan(func, target)
+    # six width bounds, each with 16- and 8-byte vector classes and a scalar one (less scalar classes
+    # another serves), the first scalar one twice: a block a row over fewer rows, a warp a row
+    assert len(plan) == 17
+    assert tvm_ext.cuda_kernels(ex) == sorted(f"softmax_v{i}{s}_kernel" for i in range(17) for s in ("_i32", ""))
     host = ex.as_text()
     calls = re.findall(r"call  (softmax\w*) ", host)
-    assert calls == [f"softmax_v{i}{s}" for i in range(10) for s in ("_i32", "")], "narrowest first, int32 first"
-    assert host.count("If    ") == 19, "nine width branches, and an int32/int64 branch per width class"
+    assert calls == [f"softmax_v{i}{s}" for i in range(17) for s in ("_i32", "")], "narrowest first, int32 first"
+    assert host.count("If    ") == 33, "sixteen class branches, and an int32/int64 branch per class"
     kernel = lambda name: re.search(rf"{name}_kernel\([^)]*\) \{{(.*?)\n\}}", src, re.S).group(1)  # noqa: E731
     v0 = kernel("softmax_v0")
     assert "threadIdx.y" in v0 and "__shfl_down_sync" in v0  # warp_row: a warp per row, rows along y
-    assert re.search(r"__launch_bounds__\(1024\) softmax_v7_kernel", src)  # block_row up to 32768 and beyond
-    assert re.search(r"__launch_bounds__\(1024\) softmax_v9_kernel", src)
-    # widths up to 4096 no vector divides take the 8192 class's scalar kernel (v4): 256 threads re-reading
-    assert re.search(r"__launch_bounds__\(256\) softmax_v4_kernel", src)
-    for vector in ("softmax_v2", "softmax_v7"):
-        assert re.search(r"\*\((half4|uint4)\*\)\(compute_ptr \+", kernel(vector)), vector
-    for vector, scalar in [("softmax_v0", "softmax_v1"), ("softmax_v3", "softmax_v4"), ("softmax_v5", "softmax_v6"),
-                           ("softmax_v8", "softmax_v9")]:
-        # widths a multiple of 8 halves: vector stores of whole chunks (8 halves from registers, 4 lanes
-        # of the epilogue's float32 math otherwise: rows.MAX_EPILOGUE_LANES), no per-element tail test
-        assert re.search(r"\*\((half4|uint4)\*\)\(compute_ptr \+", kernel(vector)), vector
-        assert not re.search(r"half4|uint4", kernel(scalar)), scalar
+    for i, (_, knobs) in enumerate(plan):
+        threads = knobs["threads"] if knobs["strategy"] == "block_row" else warp_row.BLOCK_THREADS
+        assert re.search(rf"__launch_bounds__\({threads}\) softmax_v{i}_kernel", src), i
+        # widths a multiple of 8 or 4 halves: vector stores of whole chunks, no per-element tail test
+        stores = re.search(r"\*\((half4|uint4|uint2)\*\)\(compute_ptr \+", kernel(f"softmax_v{i}"))
+        assert bool(stores) == (knobs["vec"] > 1), i
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

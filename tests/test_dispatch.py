@@ -79,24 +79,42 @@ def test_a_lone_mean_still_takes_the_grid():
     assert [k["strategy"] for _, k in plan] == ["grid_reduce"]
 
 
-def test_symbolic_width_plans_six_classes_each_with_a_vector_kernel():
+def test_symbolic_width_plans_six_classes_each_with_16_and_8_byte_vector_kernels():
     (plan,) = plans("softmax", [4096, "s"], "float16").values()
-    assert [str(cond) for cond, _ in plan] == [
-        "s <= T.int64(1024) and s % T.int64(8) == T.int64(0)", "s <= T.int64(1024)",
-        "s <= T.int64(4096) and s % T.int64(8) == T.int64(0)",
-        "s <= T.int64(8192) and s % T.int64(8) == T.int64(0)", "s <= T.int64(8192)",
-        "s <= T.int64(16384) and s % T.int64(8) == T.int64(0)", "s <= T.int64(16384)",
-        "s <= T.int64(32768) and s % T.int64(8) == T.int64(0)",
-        "s % T.int64(8) == T.int64(0)", "None"]
-    assert [k["strategy"] for _, k in plan] == ["warp_row"] * 2 + ["block_row"] * 8
-    assert [k.get("threads") for _, k in plan][2:] == [256, 256, 256, 512, 512, 1024, 1024, 1024]
-    assert [k["vec"] for _, k in plan] == [8, 1, 8] + [8, 1] * 2 + [8, 8, 1]
+    bounds = ["s <= T.int64(1024)", "s <= T.int64(4096)", "s <= T.int64(8192)", "s <= T.int64(16384)",
+              "s <= T.int64(32768)", None]
+    expected = []
+    for bound in bounds:
+        for lanes in (8, 4):
+            aligned = f"s % T.int64({lanes}) == T.int64(0)"
+            expected.append(aligned if bound is None else f"{bound} and {aligned}")
+        # the scalar classes re-read their rows: one kernel of 256 threads serves up to 8192 columns
+        # and one of 1024 threads every width past 16384
+        if bound not in ("s <= T.int64(4096)", "s <= T.int64(32768)"):
+            expected.append(bound or "None")
+    assert [str(cond) for cond, _ in plan] == expected
+    assert [k["vec"] for _, k in plan] == [8, 4, 1, 8, 4] + [8, 4, 1] * 2 + [8, 4] + [8, 4, 1]
+    assert [k["strategy"] for _, k in plan] == ["warp_row"] * 2 + ["block_row"] * 14
+    # widths up to 1024 no vector divides, over 4096 rows (too few to fill the device four times at 128
+    # lanes a row): a block of 128 lanes a row
+    assert [k.get("threads") for _, k in plan][2:] == [128] + [256] * 5 + [512] * 3 + [1024] * 5
     # the bounded vector classes keep the row in registers (a lane's share of 1024, 4096, 8192,
-    # 16384 or 32768 halves over 32, 256, 256, 512 or 1024 lanes: 64 or 128 bytes); the scalar ones
-    # and the unbounded one re-read it, so one scalar kernel of 256 threads serves up to 8192
-    # columns and one of 1024 threads every width past 16384
-    assert [k["cache"] for _, k in plan] == ([REGISTERS, False, REGISTERS] + [REGISTERS, False] * 2
-                                             + [REGISTERS, False, False])
+    # 16384 or 32768 halves over 32, 256, 256, 512 or 1024 lanes: 64 or 128 bytes)
+    assert [k["cache"] == REGISTERS for _, k in plan] == [k["vec"] > 1 and k["max_extent"] is not None for _, k in plan]
+
+
+@pytest.mark.parametrize("rows, scalar", [(8447, "block_row"), (8448, "warp_row")])
+def test_widths_no_vector_divides_take_a_block_a_row_over_rows_too_few_to_fill_the_device(rows, scalar):
+    # the device's resident threads four times over at 128 lanes a row: 4 * 132 * 2048 / 128 rows
+    assert 4 * device_of(TARGET).sm_count * device_of(TARGET).threads_per_sm // 128 == 8448
+    (plan,) = plans("softmax", [rows, "s"], "float16").values()
+    (knobs,) = [k for cond, k in plan if str(cond) == "s <= T.int64(1024)"]
+    assert knobs["strategy"] == scalar and knobs["vec"] == 1 and knobs["cache"] is False
+    # a symbolic row count: both, chosen per call by the count
+    (plan,) = plans("rms_norm", ["b", "s"], "float16").values()
+    scalar_classes = [(str(cond), k["strategy"]) for cond, k in plan if k["vec"] == 1 and k["max_extent"] == 1024]
+    assert scalar_classes == [("s <= T.int64(1024) and b < T.int64(8448)", "block_row"),
+                              ("s <= T.int64(1024)", "warp_row")]
 
 
 def test_a_symbolic_row_count_gets_a_kernel_for_fewer_rows_than_sms():
@@ -118,16 +136,17 @@ def test_a_symbolic_row_count_gets_a_kernel_for_fewer_rows_than_sms():
 
 def test_vector_width_classes_follow_the_narrowest_input():
     (plan,) = plans("softmax", ["b", "s"], "float32").values()
-    assert [k["vec"] for _, k in plan] == [4, 1, 4] + [4, 1] * 2 + [4, 4, 1]  # 16 bytes of float32
+    # 16 and 8 bytes of float32; a symbolic row count splits the first scalar class by it
+    assert [k["vec"] for _, k in plan] == [4, 2, 1, 1, 4, 2] + [4, 2, 1] * 2 + [4, 2] + [4, 2, 1]
     (plan,) = plans("layer_norm", ["b", "s"], "bfloat16").values()
-    assert [k["vec"] for _, k in plan] == [8, 1, 8] + [8, 1] * 2 + [8, 8, 1]
+    assert [k["vec"] for _, k in plan] == [8, 4, 1, 1, 8, 4] + [8, 4, 1] * 2 + [8, 4] + [8, 4, 1]
 
 
 def test_a_symbolic_width_is_split_into_whole_vectors_without_a_tail_test():
     # the vector class serves only widths that are a multiple of 8, and takes the width as a count
     # of vectors: no chunk is partial, so its lane loop carries no predicate and its stores vectorize
     (func,) = fused_reduce_functions(relax_module("softmax", [4096, "s"], "float16"), TARGET).values()
-    (_, knobs, vector), (_, _, scalar) = schedules.scheduled(func, TARGET)[:2]
+    (_, knobs, vector), _, (_, _, scalar) = schedules.scheduled(func, TARGET)[:3]
     assert knobs["vec"] == 8
     vector_text, scalar_text = vector.mod["main"].script(), scalar.mod["main"].script()
     # rows in registers: the width spelled with the class's bound, 1024 halves (128 vectors)
@@ -140,25 +159,28 @@ def test_a_symbolic_width_is_split_into_whole_vectors_without_a_tail_test():
     assert re.findall(r"T\.where\(.* < s\)", scalar_text)  # the scalar class tests each element
 
 
-@pytest.mark.parametrize("op, dtype, vector", [("rms_norm", "float16", "uint4"), ("softmax", "float32", "float4"),
-                                               ("layer_norm", "bfloat16", "uint4")])
-def test_a_width_class_of_whole_vectors_loads_vectors(op, dtype, vector):
+@pytest.mark.parametrize("op, dtype, vectors", [("rms_norm", "float16", {8: "uint4", 4: "half4"}),
+                                                ("softmax", "float32", {4: "float4", 2: "float2"}),
+                                                ("layer_norm", "bfloat16", {8: "uint4", 4: "nv_bfloat164"})])
+def test_a_width_class_of_whole_vectors_loads_vectors(op, dtype, vectors):
     # the kernel takes the width in vectors (the call passes s // 8 or s // 4), so TVM knows each row
     # starts on a whole vector: the epilogue's loads of x are vectors, not gathers of elements, and
-    # the reductions load a 16-byte vector a chunk (LayerNorm's Welford too: its pivot, the row's
-    # first element, is loaded apart)
+    # the reductions load a 16-byte (or, in the 8-byte classes, 8-byte) vector a chunk (LayerNorm's
+    # Welford too: its pivot, the row's first element, is loaded apart)
     ex = tvm_ext.build(relax_module(op, ["b", "s"], dtype), CUDA_TARGET)
     src = tvm_ext.cuda_source(ex)
     kernels = {name: re.search(rf"void __launch_bounds__\(\d+\) {name}\(([^)]*)\) \{{(.*?)\n\}}", src, re.S).groups()
                for name in tvm_ext.cuda_kernels(ex)}
     (plan,) = plans(op, ["b", "s"], dtype).values()  # kernels _v0, _v1, ... in plan order
-    vector_classes = [i for i, (_, knobs) in enumerate(plan) if knobs["vec"] > 1]
-    in_vectors = {name: body for name, (params, body) in kernels.items()
-                  if int(re.search(r"_v(\d+)_", name).group(1)) in vector_classes}
-    assert len(vector_classes) == 6 and len(in_vectors) == 12 and all("s_vectors" in kernels[name][0] for name in in_vectors), \
-        "the six vector classes, each with its int32 twin"
-    for name, body in in_vectors.items():
+    lanes = {i: knobs["vec"] for i, (_, knobs) in enumerate(plan) if knobs["vec"] > 1}
+    in_vectors = {name: (lanes[i], body) for name, (params, body) in kernels.items()
+                  if (i := int(re.search(r"_v(\d+)_", name).group(1))) in lanes}
+    assert sorted(lanes.values()) == sorted(list(vectors) * 6) and len(in_vectors) == 24, \
+        "the six classes' 16- and 8-byte vector kernels, each with its int32 twin"
+    assert all("s_vectors" in kernels[name][0] for name in in_vectors)
+    for name, (vec, body) in in_vectors.items():
         assert not re.search(r"make_(half|float|bfloat16)\d\(p0_ptr\[", body), f"{name}: x gathered element by element"
+        vector = vectors[vec]
         assert re.search(rf"\*\({vector}\*\)\(p0_local_ptr \+ (\(int64_t\))?0\) = \*\({vector}\*\)\(p0_ptr \+", body), name
 
 

@@ -89,15 +89,28 @@ _BUILT = {}
 
 
 @pytest.mark.parametrize("op, dtype", [("softmax", "float16"), ("rms_norm", "bfloat16"), ("layer_norm", "float32")])
-# each side of each class bound
-@pytest.mark.parametrize("width", [7, 24, 64, 1000, 1003, 2560, 4104, 8192, 8200, 16384, 16392, 20001, 32768, 32776])
+# each side of each class bound; widths 8 bytes divide, not 16 (halves; floats: 1002, 4102)
+@pytest.mark.parametrize("width", [7, 24, 64, 1000, 1003, 2560, 4104, 8192, 8200, 16384, 16392, 20001, 32768, 32776,
+                                   1002, 1012, 4100, 4102, 16396])
 def test_symbolic_width_vector_classes_on_gpu(op, dtype, width, rng):
-    # widths a multiple of a 16-byte vector take the vector kernels, the others the scalar ones; a
-    # class of rows in registers tests each of its lanes' steps against the width (7, 24: most idle)
+    # widths a multiple of a 16-byte vector take the vector kernels, then of an 8-byte one, the others
+    # the scalar ones; a class of rows in registers tests each of its lanes' steps against the width
+    # (7, 24: most idle)
     if (op, dtype) not in _BUILT:  # one build serves every width
         _BUILT[op, dtype] = tvm_ext.build(relax_module(op, ["b", "s"], dtype), "cuda")
     outs, refs = run_case(_BUILT[op, dtype], tvm.cuda(0), op, [5, width], dtype, rng)
     assert_close(outs, refs, dtype)
+
+
+@pytest.mark.parametrize("op, dtype", [("softmax", "float16"), ("rms_norm", "bfloat16")])
+@pytest.mark.parametrize("rows", [5, 8448])  # each side of dispatch's few-rows limit for an H100 or H200
+def test_symbolic_width_scalar_classes_over_few_and_many_rows_on_gpu(op, dtype, rows, rng):
+    # widths up to 1024 no vector divides: a block a row over few rows, a warp a row over many
+    if (op, dtype) not in _BUILT:
+        _BUILT[op, dtype] = tvm_ext.build(relax_module(op, ["b", "s"], dtype), "cuda")
+    for width in (77, 1003):
+        outs, refs = run_case(_BUILT[op, dtype], tvm.cuda(0), op, [rows, width], dtype, rng)
+        assert_close(outs, refs, dtype)
 
 
 @pytest.mark.parametrize("op, shape, dtype", [
