@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 from .rpc import free_servers
@@ -29,19 +30,39 @@ def start(*args, env: dict | None = None, cpus: list[int] | None = None) -> subp
     whatever the process's CPU set, so two pinned servers would run on the same cores."""
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     env = {**os.environ, **({"TVM_BIND_THREADS": "0"} if cpus else {}), **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    errors = tempfile.TemporaryFile()  # read back if the process exits before it serves (exit_of)
+    proc = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.DEVNULL, stderr=errors,
                             start_new_session=True, env=env, preexec_fn=pin)
+    proc.errors = errors
+    return proc
+
+
+def exit_of(procs: list[subprocess.Popen]) -> str | None:
+    """'MODULE exited with code N: LAST STDERR LINE' for the first of `procs` that has exited; None
+    while all run."""
+    for proc in procs:
+        if proc.poll() is not None:
+            proc.errors.seek(0)
+            lines = proc.errors.read().decode(errors="replace").strip().splitlines()
+            return f"{proc.args[2]} exited with code {proc.returncode}: {lines[-1] if lines else '(no output)'}"
+    return None
 
 
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    if hasattr(proc, "errors"):
+        proc.errors.close()
 
 
-def wait_for(predicate, what: str, seconds: float = START_S) -> None:
+def wait_for(predicate, what: str, seconds: float = START_S, procs: list[subprocess.Popen] = ()) -> None:
+    """Return once `predicate()` holds; RuntimeError at once where one of `procs` exits meanwhile
+    (a server that cannot import what it needs), TimeoutError after `seconds`."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
+        if (exited := exit_of(procs)) is not None:
+            raise RuntimeError(f"waiting for {what}: {exited}")
         try:
             if predicate():
                 return
@@ -64,7 +85,7 @@ def local_cluster(servers: int, key: str, env: dict | None = None, cpus: list[li
             procs.append(start("tvm.exec.rpc_server", "--tracker", tracker, "--key", key, "--host", "127.0.0.1",
                                "--port", str(server_port), "--port-end", str(server_port + 1),
                                env=env, cpus=cpus[i] if cpus else None))
-        wait_for(lambda: free_servers(tracker, key) == servers, f"{servers} server(s) registered")
+        wait_for(lambda: free_servers(tracker, key) == servers, f"{servers} server(s) registered", procs=procs)
         yield tracker, procs[1:]
     finally:
         for proc in procs:

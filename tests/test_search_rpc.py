@@ -5,12 +5,13 @@ tracker that is not there in one line."""
 
 import os
 import re
+import time
 
 import numpy as np
 import pytest
 import tvm
 
-from tvm_ext.search.local_cluster import free_port, local_cluster, start, stop
+from tvm_ext.search.local_cluster import START_S, free_port, local_cluster, start, stop
 from tvm_ext.search.measure import Measurer
 from tvm_ext.search.space import knob_space
 from test_search_measure import CPU_ROWS, TARGET, task, zeroing_builder
@@ -237,3 +238,14 @@ def test_a_pinned_process_keeps_tvm_threads_on_its_cpus(tmp_path):
                                                    "TVM_NUM_THREADS": "2"}, cpus=[cpu])
     assert proc.wait(timeout=120) == 0
     assert (tmp_path / "out").read_text() == str(cpu)
+
+
+def test_a_server_that_cannot_start_is_named_with_its_error_at_once(tmp_path):
+    # a server whose Python finds a `tvm` that fails to import (as TVM's RPC does without tornado)
+    (tmp_path / "tvm").mkdir()
+    (tmp_path / "tvm" / "__init__.py").write_text('raise ImportError("no module named tornado (test)")\n')
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tvm\.exec\.rpc_server exited with code 1: ImportError: no module named tornado"):
+        with local_cluster(1, KEY, env={"PYTHONPATH": str(tmp_path)}):
+            pass
+    assert time.monotonic() - started < START_S / 2, "not after the registration wait"
