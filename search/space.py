@@ -17,6 +17,12 @@ def knob_space(func: tirx.PrimFunc, target: Target, dims: dict | None = None) ->
     """The points of every strategy that fits `func` on `target`, in the heuristic's strategy order,
     the heuristic's own point (at the symbolic sizes `dims`) first: the tuner's first batch then
     holds what an untuned build runs."""
+    return space_and_heuristic(func, target, dims)[0]
+
+
+def space_and_heuristic(func: tirx.PrimFunc, target: Target, dims: dict | None = None) -> tuple[list[dict], dict | None]:
+    """(knob_space, the heuristic's point or None): the heuristic planned once (a symbolic row count's
+    class kernels are scheduled to plan it)."""
     device = device_of(target)
     template = contraction_template(func, target) if device.is_gpu else None
     if template is not None:  # the matmul (thread-level or wgmma) or conv2d template's points that fit
@@ -24,7 +30,7 @@ def knob_space(func: tirx.PrimFunc, target: Target, dims: dict | None = None) ->
     else:
         pattern = match(func)
         if pattern is None:
-            return []
+            return [], None
         points = [point for strategy in STRATEGIES.values() for point in strategy.knob_space(pattern, device)]
     default = heuristic_knobs(func, target, dims)
-    return points if default is None else [default] + [point for point in points if point != default]
+    return (points if default is None else [default] + [point for point in points if point != default]), default

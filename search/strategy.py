@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tvm_ext.schedules.dispatch import heuristic_knobs
 from tvm_ext.records import append_record
 
 from .check import measured_dims
@@ -19,7 +18,7 @@ from .cost_model import CostModel
 from .features import SCHEMA, candidate_features
 from .measure import Result
 from .worker_pool import WORKER_DID_NOT_START
-from .space import knob_space
+from .space import space_and_heuristic
 from .tasks import Task
 
 
@@ -31,8 +30,7 @@ class TaskSearch:
         """`past`: this task's records already in the log (a resumed run): they count as trials."""
         self.task, self.target, self.log, self.dims = task, target, log, dims or {}
         self.batch, self.epsilon, self.patience = batch, epsilon, patience
-        self.points = knob_space(task.func, target, self.dims)
-        self.heuristic = heuristic_knobs(task.func, target, self.dims)  # knob_space holds it
+        self.points, self.heuristic = space_and_heuristic(task.func, target, self.dims)  # the points hold it
         self.at = measured_dims(task.func, self.dims)  # the symbolic sizes its records are measured at
         self.x = candidate_features(task.func, self.points, target, self.dims)
         self.budget = min(budget, len(self.points))
