@@ -14,7 +14,7 @@ import tvm
 
 from .builder import build_candidate
 from .check import measured
-from .rpc import NoServerError, ServerBusyError, copy_gbps_rpc, free_servers, run_candidate_rpc
+from .rpc import NoServerError, ServerBusyError, copy_gbps_rpc, free_servers, registered_servers, run_candidate_rpc
 from .runner import COPY_TIMEOUT_S, copy_gbps, prepare_reference, reference_path, run_candidate
 from .worker_pool import POLL_S, Pool
 
@@ -131,7 +131,7 @@ class Measurer:
         running = not self.runners.idle
         for job, answer in finished + self.runners.poll():
             if answer[0] != "ok" and answer[1].startswith(ServerBusyError.__name__) \
-                    and self._busy.get(job, 0) < BUSY_RETRIES:  # the servers are alive: the candidate waits its turn
+                    and self._busy.get(job, 0) < BUSY_RETRIES and self._server_left_over():  # it waits its turn
                 self._busy[job] = self._busy.get(job, 0) + 1
                 self._run(job)
                 continue
@@ -165,6 +165,12 @@ class Measurer:
             os.unlink(args[4])
         if batch["on_result"] is not None:
             batch["on_result"](i, result)
+
+    def _server_left_over(self) -> bool:
+        """Whether the tracker has more servers than the other runners hold (each keeps its own for
+        the run): one finishing an overrun candidate, free later. Else a server died and its runner's
+        successor would wait BUSY_RETRIES times for a server a sibling holds."""
+        return registered_servers(*self.remote) > self.runners.size - 1
 
     def _server_gone(self, answer: tuple) -> bool:
         """Whether a runner's `answer` says its server is gone; the pool then runs one runner fewer."""

@@ -63,6 +63,17 @@ def free_servers(tracker: str, key: str) -> int:
     return free
 
 
+def registered_servers(tracker: str, key: str) -> int:
+    """Servers registered with `tracker` under `key`, free or in use (0 where it does not answer)."""
+    host, port = parse_tracker(tracker)
+    try:
+        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
+        summary = rpc.connect_tracker(host, port).summary()
+    except (OSError, RuntimeError):
+        return 0
+    return sum(info["key"] == f"server:{key}" for info in summary.get("server_info", []))
+
+
 _CONNECTION: dict = {}  # in a runner: its server connection and its device
 
 

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import tvm
 
-from tvm_ext.search.local_cluster import START_S, free_port, local_cluster, start, stop
+from tvm_ext.search.local_cluster import START_S, free_port, local_cluster, start, stop, wait_for
 from tvm_ext.search.measure import Measurer
+from tvm_ext.search.rpc import registered_servers
 from tvm_ext.search.space import knob_space
 from test_search_measure import CPU_ROWS, TARGET, task, zeroing_builder
 
@@ -249,3 +250,18 @@ def test_a_server_that_cannot_start_is_named_with_its_error_at_once(tmp_path):
         with local_cluster(1, KEY, env={"PYTHONPATH": str(tmp_path)}):
             pass
     assert time.monotonic() - started < START_S / 2, "not after the registration wait"
+
+
+def test_a_runner_waits_for_a_busy_server_only_while_one_is_not_held_by_another_runner(servers):
+    # each runner keeps its server for the run: once server 0 is gone, the one left is held by the
+    # other runner, so a runner finding no server free has lost its own (it leaves the pool at once),
+    # not found one busy finishing an overrun candidate (which it waits for, BUSY_RETRIES times
+    # SERVER_WAIT_S)
+    tracker, procs = servers
+    with Measurer(TARGET, builders=1, timeout=120, rpc=(tracker, KEY)) as measurer:
+        assert measurer.runners.size == 2 and registered_servers(tracker, KEY) == 2
+        assert measurer._server_left_over()
+        stop(procs[0])
+        wait_for(lambda: registered_servers(tracker, KEY) == 1, "the tracker dropping the killed server", 30)
+        assert not measurer._server_left_over()
+    assert registered_servers(f"127.0.0.1:{free_port()}", KEY) == 0  # no tracker there
