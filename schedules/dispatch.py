@@ -78,7 +78,8 @@ def _scalar_classes(pattern, device, within, knobs: dict) -> list[tuple]:
     rows = pattern.row_count
     if const_int(rows) is not None:
         return [(within, few if const_int(rows) < limit else knobs)]
-    return [(tirx.And(within, tirx.LT(rows, tirx.const(limit, str(rows.ty)))), few), (within, knobs)]
+    fewer = tirx.LT(rows, tirx.const(limit, str(rows.ty)))
+    return [(fewer if within is None else tirx.And(within, fewer), few), (within, knobs)]
 
 
 def _served_by_next(knobs: dict, later: list) -> bool:
