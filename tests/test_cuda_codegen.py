@@ -23,7 +23,8 @@ KERNELS: dict = {}
 
 def expected_kernels(case) -> int:
     """One per fused function, times the width classes when the row width is symbolic (each bound
-    twice, widths a vector divides and the rest, less scalar classes alike), or two over a symbolic row count for a LayerNorm
+    three times, widths a 16- or an 8-byte vector divides and the rest, less scalar classes alike, the
+    first scalar class split by the row count), or two over a symbolic row count for a LayerNorm
     of block_row's widths or float32 rows that many rows keep in registers (fewer rows than SMs, and
     the rest), times the int32 and int64 versions when any dim is (tvm_ext/tir/narrowing.py)."""
     symbolic_width = isinstance(case["shape"][-1], str)
