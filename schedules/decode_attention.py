@@ -319,11 +319,16 @@ def apply(func: tirx.PrimFunc, knobs: dict) -> s_tir.Schedule | None:
     return s_tir.Schedule(_made(func, recipe(func), knobs))
 
 
+def any_length(args: dict) -> bool:
+    """Whether a recipe's batch or cache length is symbolic (built for any)."""
+    return not all(isinstance(args[size], int) for size in ("batch", "seq_kv"))
+
+
 def at_lengths(func: tirx.PrimFunc, dims: dict) -> tirx.PrimFunc:
     """`func` made again with each symbolic size (batch, cache length) set to `dims[its name]`
     (NOMINAL where not given), as a tuning run measures it: a kernel built for any size takes its
     sizes as scalar arguments. As it is where its sizes are static."""
     args = recipe(func)
-    if all(isinstance(args[size], int) for size in ("batch", "seq_kv")):
+    if not any_length(args):
         return func
     return _made(func, sized(args, dims), DEFAULT_KNOBS)

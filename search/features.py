@@ -226,7 +226,7 @@ def candidate_features(func: tirx.PrimFunc, points: list[dict], target: Target, 
         return np.stack([attention_features(args, knobs, device, symbolic) for knobs in points])
     if points[0]["strategy"] == decode_attention.NAME:
         args = decode_attention.recipe(decode_attention.at_lengths(func, dims or {}))
-        symbolic = not all(isinstance(x, int) for x in (decode_attention.recipe(func)[k] for k in ("batch", "seq_kv")))
+        symbolic = decode_attention.any_length(decode_attention.recipe(func))
         return np.stack([decode_features(args, knobs, device, symbolic) for knobs in points])
     if points[0]["strategy"] == conv2d.NAME:
         sch, _, block, epilogue = conv2d.convolution(func)
