@@ -56,10 +56,10 @@ def width_classes(pattern, device) -> list[tuple]:
     classes = []
     for bound, knobs in DYNAMIC_ROW_VARIANTS:
         within = None if bound is None else extent <= bound
+        row_lanes = knobs.get("group") or knobs["threads"]
+        cache = REGISTERS if bound and fits_registers(pattern, row_lanes, bound) else knobs["cache"]
         for vec in [v for v in (lanes, lanes // 2) if v > 1]:  # 16 bytes, then 8
             aligned = tirx.EQ(tirx.floormod(extent, vec), tirx.const(0, str(extent.ty)))
-            row_lanes = knobs.get("group") or knobs["threads"]
-            cache = REGISTERS if bound and fits_registers(pattern, row_lanes, bound) else knobs["cache"]
             classes.append((aligned if within is None else tirx.And(within, aligned),
                             dict(knobs, vec=vec, max_extent=bound, cache=cache)))
         classes += _scalar_classes(pattern, device, within, dict(knobs, vec=1, max_extent=bound))
